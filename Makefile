@@ -1,0 +1,51 @@
+# dflash-ops: the commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+APT_PKGS := lxc openssh-server
+PYTEST_ARGS ?=
+
+.PHONY: help setup test lint bench demo sim-up sim-down clean
+
+help: ## List the targets.
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## Install apt packages (lxc, openssh-server) and the pinned venv; silent when done.
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: apt-get install$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml
+	@echo "setup: building $(VENV) with the pinned dependencies"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecule).
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup ## ruff, yamllint and ansible-lint (production profile).
+	$(VENV)/bin/ruff check dflash pvesim library tests benchmarks
+	$(VENV)/bin/yamllint -s .
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production playbooks roles
+
+bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.
+	$(PY) -m benchmarks
+
+demo: setup ## Bring up pvesim and tell the stop-deploy-start story.
+	$(PY) -m pvesim.demo
+
+sim-up: setup ## Start pvesim (1 node, CT 200, 8 simulated GPUs) and write inventory/sim/hosts.yml.
+	$(PY) -m pvesim up
+
+sim-down: ## Stop everything pvesim started.
+	$(PY) -m pvesim down
+
+clean: sim-down ## Remove the venv and caches.
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
