@@ -39,7 +39,7 @@ bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.
 	$(PY) -m benchmarks
 
 demo: setup ## Bring up pvesim and tell the stop-deploy-start story.
-	$(PY) -m pvesim.demo
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo.sh
 
 sim-up: setup ## Start pvesim (1 node, CT 200, 8 simulated GPUs) and write inventory/sim/hosts.yml.
 	$(PY) -m pvesim up
