@@ -23,8 +23,8 @@ setup: $(STAMP) ## Install apt packages (lxc, openssh-server) and the pinned ven
 $(STAMP): pyproject.toml
 	@echo "setup: building $(VENV) with the pinned dependencies"
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -m pip install -q --upgrade pip > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@$(PY) -m pip install -q -e '.[dev]' >> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $@
 
 test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecule).
