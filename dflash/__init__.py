@@ -1,0 +1,1 @@
+"""DFlash drafter training: config, target capture, packed hidden states, drafter, training loop."""

@@ -1,0 +1,318 @@
+"""Training configuration: one typed dataclass per section, loaded from YAML.
+
+`load_config(path)` maps the YAML onto `TrainConfig`; unknown keys and wrong types are errors that
+name the key and the value. `python -m dflash.config validate <yaml>` exits 0 when the file is good
+and 2 with the message otherwise (the deploy role runs it before switching releases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value, tp):
+    """Return `value` as type `tp` (int accepted for float) or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        members = typing.get_args(tp)
+        if value is None and type(None) in members:
+            return None
+        for member in members:
+            if member is type(None):
+                continue
+            try:
+                return _coerce(key, value, member)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_type,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected int, got {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+class _Section:
+    """Type checking shared by every section: runs before the section's own range checks."""
+
+    _name = ""
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            key = f"{self._name}.{f.name}"
+            setattr(self, f.name, _coerce(key, getattr(self, f.name), hints[f.name]))
+
+    def _require(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{self._name}.{key}: {message}, got {getattr(self, key)!r}")
+
+
+@dataclass
+class ModelConfig(_Section):
+    target_path: str
+    num_draft_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    dtype: str = "float32"
+    _name = "model"
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._require(bool(self.target_path), "target_path", "must name a local model directory")
+        self._require(self.num_draft_layers >= 1, "num_draft_layers", "must be >= 1")
+        self._require(self.block_size >= 2, "block_size", "must be >= 2 (anchor plus at least one draft)")
+        if self.target_layer_ids is not None:
+            self._require(len(self.target_layer_ids) >= 1, "target_layer_ids", "must not be empty")
+            self._require(min(self.target_layer_ids) >= 0, "target_layer_ids", "must be >= 0")
+        if self.mask_token_id is not None:
+            self._require(self.mask_token_id >= 0, "mask_token_id", "must be >= 0")
+        self._require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+
+
+@dataclass
+class DataConfig(_Section):
+    path: str
+    max_length: int = 512
+    batch_size: int = 4
+    max_anchors: int = 512
+    _name = "data"
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._require(bool(self.path), "path", "must name a JSON-lines file")
+        self._require(self.max_length >= 2, "max_length", "must be >= 2")
+        self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self._require(self.max_anchors >= 1, "max_anchors", "must be >= 1")
+
+
+@dataclass
+class OptimConfig(_Section):
+    lr: float = 6.0e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    max_grad_norm: float = 1.0
+    total_steps: int = 1000
+    gamma: float | None = None
+    _name = "optim"
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._require(self.lr > 0, "lr", "must be > 0")
+        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        self._require(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
+        self._require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        if self.gamma is not None:
+            self._require(self.gamma > 0, "gamma", "must be > 0")
+
+
+@dataclass
+class RunConfig(_Section):
+    output_dir: str
+    save_every: int = 100
+    keep_checkpoints: int = 3
+    log_every: int = 1
+    seed: int = 0
+    resume: bool = True
+    max_steps_per_run: int | None = None
+    step_delay: float = 0.0
+    _name = "run"
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._require(bool(self.output_dir), "output_dir", "must name a directory")
+        self._require(self.save_every >= 1, "save_every", "must be >= 1")
+        self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        self._require(self.log_every >= 1, "log_every", "must be >= 1")
+        if self.max_steps_per_run is not None:
+            self._require(self.max_steps_per_run >= 1, "max_steps_per_run", "must be >= 1")
+        self._require(self.step_delay >= 0, "step_delay", "must be >= 0")
+
+
+@dataclass
+class PipelineConfig(_Section):
+    device: str = "cpu"
+    target_gpus: list[int] = field(default_factory=list)
+    drafter_gpus: list[int] = field(default_factory=list)
+    target_workers: int = 0
+    drafter_workers: int = 0
+    queue_depth: int = 4
+    threads_per_worker: int = 1
+    _name = "pipeline"
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._require(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+        for key in ("target_gpus", "drafter_gpus"):
+            self._require(all(g >= 0 for g in getattr(self, key)), key, "GPU indices must be >= 0")
+        overlap = set(self.target_gpus) & set(self.drafter_gpus)
+        self._require(not overlap, "drafter_gpus", f"shares GPUs {sorted(overlap)} with target_gpus")
+        self._require(self.target_workers >= 0, "target_workers", "must be >= 0")
+        self._require(self.drafter_workers >= 0, "drafter_workers", "must be >= 0")
+        self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")
+        self._require(self.threads_per_worker >= 1, "threads_per_worker", "must be >= 1")
+
+    @property
+    def is_multi_process(self) -> bool:
+        """True when the layout asks for separate target and drafter workers."""
+        return bool(self.target_gpus or self.drafter_gpus or self.target_workers or self.drafter_workers)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/main"))
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
+                raise ConfigError(f"{f.name}: expected a {SECTIONS[f.name].__name__}")
+
+    @property
+    def gamma(self) -> float:
+        """Loss decay constant: the configured one, else the paper's value for the block size."""
+        return self.optim.gamma if self.optim.gamma is not None else default_gamma(self.model.block_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+    "pipeline": PipelineConfig,
+}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay constants (7 for b=16, 5 for b=10, 4 for b=8), else b/2 - 1 (at least 1)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def _section_from_dict(name: str, raw) -> object:
+    cls = SECTIONS[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a mapping, got {raw!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{name}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(sorted(known))})")
+    missing = sorted(
+        f.name for f in dataclasses.fields(cls)
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ConfigError(f"{name}: missing required key(s) {', '.join(missing)}")
+    return cls(**raw)
+
+
+def config_from_dict(raw) -> TrainConfig:
+    """Build a validated TrainConfig from a plain mapping (the parsed YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"config: unknown section(s) {', '.join(map(str, unknown))} "
+                          f"(known: {', '.join(SECTIONS)})")
+    for required in ("model", "data"):
+        if required not in raw:
+            raise ConfigError(f"config: missing section {required}")
+    return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
+
+
+def target_num_layers(target_path: str) -> int:
+    """Number of decoder layers of the target saved at `target_path` (from its config.json)."""
+    config_file = Path(target_path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.target_path: no model at {target_path!r} (expected {config_file})")
+    try:
+        raw = json.loads(config_file.read_text())
+        return int(raw.get("num_hidden_layers") or raw["text_config"]["num_hidden_layers"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"model.target_path: cannot read num_hidden_layers from {config_file}: {exc}") from exc
+
+
+def check_against_target(cfg: TrainConfig) -> None:
+    """Checks that need the target on disk: it exists, and the layer ids are within its depth."""
+    n_layers = target_num_layers(cfg.model.target_path)
+    ids = cfg.model.target_layer_ids
+    if ids is not None and max(ids) >= n_layers:
+        raise ConfigError(f"model.target_layer_ids: {ids} out of range for a target with {n_layers} layers "
+                          f"(valid ids are 0..{n_layers - 1})")
+
+
+def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
+    """Read, validate and return the YAML config at `path`; raise ConfigError on any problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {path} is not valid YAML: {exc}") from exc
+    cfg = config_from_dict(raw)
+    if check_target:
+        check_against_target(cfg)
+    return cfg
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The config as YAML that `load_config` reads back to an equal TrainConfig."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash.config", description="Check a training config.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    validate = sub.add_parser("validate", help="exit 0 if the config is valid, else print why and exit 2")
+    validate.add_argument("config", help="path to the YAML training config")
+    validate.add_argument("--no-target-check", action="store_true",
+                          help="skip the checks that need the target model on disk")
+    args = parser.parse_args(argv)
+    try:
+        load_config(args.config, check_target=not args.no_target_check)
+    except ConfigError as exc:
+        print(f"invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.config}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

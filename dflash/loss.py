@@ -1,0 +1,115 @@
+"""Anchors, block batches, the block attention mask and the decayed loss.
+
+Two bugs that public trainers shipped are pinned by the tests of this file:
+- labels are NOT shifted: block position k is scored against the token at anchor + k;
+- a block sees context positions strictly before its anchor (`kv < anchor`, not `<=`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.hidden_states import document_ids
+
+
+def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """A sorted random subset (at most `max_anchors`) of one document's valid anchor positions:
+    a with loss_mask[a] = loss_mask[a+1] = 1 and a <= S - block_size."""
+    length = loss_mask.numel()
+    last = length - block_size
+    if last < 0 or length < 2:
+        return torch.zeros(0, dtype=torch.int64)
+    mask = loss_mask.to(torch.bool).cpu()
+    valid = mask[: last + 1] & mask[1: last + 2]
+    candidates = valid.nonzero().squeeze(1)
+    if candidates.numel() > max_anchors:
+        chosen = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
+        candidates = candidates[chosen.sort().values]
+    return candidates
+
+
+@dataclass
+class BlockBatch:
+    """The drafter's inputs and targets for a packed batch; Q = n_blocks * block_size."""
+
+    block_input_ids: torch.Tensor  # [Q] anchor token then mask tokens, per block
+    block_positions: torch.Tensor  # [Q] anchor + k, position within the document
+    attention_mask: torch.Tensor   # [Q, T + Q] bool, True = may attend
+    labels: torch.Tensor           # [Q] token at anchor + k (unshifted); 0 where unscored
+    weights: torch.Tensor          # [Q] float32 loss weights, 0 where unscored
+
+
+def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
+    """[b] weight of each block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    decay = torch.exp(-(k - 1) / gamma)
+    decay[0] = 0.0
+    return decay
+
+
+def build_block_attention_mask(context_doc: torch.Tensor, context_pos: torch.Tensor,
+                               block_doc: torch.Tensor, block_anchor: torch.Tensor,
+                               block_size: int) -> torch.Tensor:
+    """[Q, T+Q] bool. A query of block j sees context tokens of its own document at positions
+    strictly before anchor_j, and every token of its own block; nothing else.
+
+    context_doc/context_pos: [T]; block_doc/block_anchor: [n_blocks]."""
+    n_blocks = block_anchor.numel()
+    q_doc = block_doc.repeat_interleave(block_size)
+    q_anchor = block_anchor.repeat_interleave(block_size)
+    sees_context = (q_doc[:, None] == context_doc[None, :]) & (context_pos[None, :] < q_anchor[:, None])
+    q_block = torch.arange(n_blocks, device=block_anchor.device).repeat_interleave(block_size)
+    sees_block = q_block[:, None] == q_block[None, :]
+    return torch.cat([sees_context, sees_block], dim=1)
+
+
+def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                      position_ids: torch.Tensor, anchors: list[torch.Tensor], block_size: int,
+                      mask_token_id: int, gamma: float) -> BlockBatch:
+    """Blocks for packed documents: `input_ids`, `loss_mask`, `position_ids` are `[T]`,
+    `cu_seqlens` `[B+1]`, `anchors[d]` the document-relative anchors of document d."""
+    device = input_ids.device
+    starts = cu_seqlens[:-1].to(torch.int64).cpu()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64).cpu()
+    if len(anchors) != lengths.numel():
+        raise ValueError(f"got anchors for {len(anchors)} documents, the batch has {lengths.numel()}")
+    block_doc = torch.cat([torch.full((a.numel(),), d, dtype=torch.int64) for d, a in enumerate(anchors)]
+                          + [torch.zeros(0, dtype=torch.int64)])
+    block_anchor = torch.cat([a.to(torch.int64).cpu() for a in anchors] + [torch.zeros(0, dtype=torch.int64)])
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    positions = block_anchor[:, None] + offsets[None, :]                     # [n_blocks, b]
+    in_document = positions < lengths[block_doc][:, None]
+    flat = torch.where(in_document, starts[block_doc][:, None] + positions, 0).to(device)
+    labels = torch.where(in_document.to(device), input_ids[flat], 0)         # unshifted: anchor + k
+    scored = in_document.to(device) & loss_mask[flat].to(torch.bool)
+    weights = scored.to(torch.float32) * loss_decay(block_size, gamma).to(device)[None, :]
+
+    block_input_ids = torch.full_like(labels, mask_token_id)
+    block_input_ids[:, 0] = labels[:, 0]
+    attention_mask = build_block_attention_mask(
+        document_ids(cu_seqlens).to(device), position_ids.to(device), block_doc.to(device),
+        block_anchor.to(device), block_size,
+    )
+    return BlockBatch(block_input_ids.reshape(-1), positions.reshape(-1).to(device), attention_mask,
+                      labels.reshape(-1), weights.reshape(-1))
+
+
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(w * ce) / sum(w), cross entropy in float32; 0 (with a graph) when nothing is scored."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (weights * ce).sum() / weights.sum().clamp_min(1e-6)
+
+
+@torch.no_grad()
+def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> float:
+    """Fraction of scored block positions whose argmax is the label (nan when none is scored)."""
+    scored = weights > 0
+    n = int(scored.sum())
+    if n == 0:
+        return math.nan
+    return float((logits.argmax(-1)[scored] == labels[scored]).sum()) / n
