@@ -30,7 +30,9 @@ def build_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[in
 def load_target(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> nn.Module:
     """Load a causal LM saved with `save_pretrained` at a local `path`, frozen and in eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the run's log is JSON lines; no loading bars in it
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")

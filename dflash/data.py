@@ -1,0 +1,105 @@
+"""Training data: JSON lines of `{"input_ids": [...], "loss_mask": [...]}`, a resumable batch
+order, and collation to a right-padded batch for the target."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class DataError(ValueError):
+    """The data file is missing or a line of it is malformed."""
+
+
+@dataclass
+class Example:
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] int64, 1 on response tokens
+
+
+def _parse_line(line: str, where: str, max_length: int) -> Example:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: not JSON ({exc.msg})") from exc
+    if not isinstance(row, dict) or "input_ids" not in row or "loss_mask" not in row:
+        raise DataError(f"{where}: expected an object with input_ids and loss_mask")
+    ids, mask = row["input_ids"], row["loss_mask"]
+    if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) and ids):
+        raise DataError(f"{where}: input_ids and loss_mask must be non-empty lists of equal length")
+    if not all(isinstance(t, int) and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
+        raise DataError(f"{where}: input_ids must be non-negative ints and loss_mask 0/1")
+    return Example(torch.tensor(ids[:max_length], dtype=torch.int64),
+                   torch.tensor(mask[:max_length], dtype=torch.int64))
+
+
+def load_examples(path: str | Path, max_length: int, vocab_size: int | None = None) -> list[Example]:
+    """Every line of the JSON-lines file at `path`, truncated to `max_length` tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.path: no data file at {path}")
+    examples = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                example = _parse_line(line, f"{path}:{line_no}", max_length)
+                if vocab_size is not None and int(example.input_ids.max()) >= vocab_size:
+                    raise DataError(f"{path}:{line_no}: token id {int(example.input_ids.max())} is outside "
+                                    f"the target's vocabulary ({vocab_size})")
+                examples.append(example)
+    if not examples:
+        raise DataError(f"data.path: {path} holds no examples")
+    return examples
+
+
+class BatchOrder:
+    """Which examples form each batch: a fresh seeded permutation per epoch, read in order.
+
+    The state is (epoch, cursor), so a resumed run continues with exactly the next batch."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
+    def next_batch(self) -> list[int]:
+        indices = []
+        while len(indices) < self.batch_size:
+            if self.cursor == self.num_examples:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(self.batch_size - len(indices), self.num_examples - self.cursor)
+            indices += self._order[self.cursor: self.cursor + take]
+            self.cursor += take
+        return indices
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "num_examples": self.num_examples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_examples"] != self.num_examples:
+            raise DataError(f"the checkpoint was written for {state['num_examples']} examples, "
+                            f"the data file now has {self.num_examples}")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
+
+def collate(examples: list[Example], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `loss_mask`, each `[B, Lmax]`."""
+    max_len = max(e.input_ids.numel() for e in examples)
+    batch = {name: torch.zeros(len(examples), max_len, dtype=torch.int64)
+             for name in ("input_ids", "attention_mask", "loss_mask")}
+    batch["input_ids"].fill_(pad_token_id)
+    for row, e in enumerate(examples):
+        n = e.input_ids.numel()
+        batch["input_ids"][row, :n] = e.input_ids
+        batch["attention_mask"][row, :n] = 1
+        batch["loss_mask"][row, :n] = e.loss_mask
+    return batch

@@ -1,0 +1,104 @@
+"""What a running trainer shows the outside: status.json, JSON log lines, and the stop signal.
+
+- `StatusFile` rewrites `<output_dir>/status.json` atomically (temp file + rename).
+- `EventLog` prints one JSON object a line to stdout (`"event"`: start, step, checkpoint, resume,
+  stop, error) and, on a TTY, a progress bar on stderr.
+- `StopSignal` turns SIGTERM and SIGINT into a flag the loop polls between steps; a second signal
+  while the checkpoint is being written only sets the flag again, so it cannot corrupt the save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+STATES = ("starting", "running", "stopping", "stopped", "failed")
+
+
+def _finite(value):
+    """JSON has no NaN: report it as null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class StatusFile:
+    def __init__(self, output_dir: str | Path, workers: dict | None = None):
+        self.path = Path(output_dir) / "status.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
+                       "last_checkpoint": None, "pid": os.getpid(), "workers": workers or {}}
+
+    def update(self, **fields) -> None:
+        unknown = set(fields) - set(self.fields)
+        if unknown:
+            raise KeyError(f"status.json has no field(s) {sorted(unknown)}")
+        if "state" in fields and fields["state"] not in STATES:
+            raise ValueError(f"status state must be one of {STATES}, got {fields['state']!r}")
+        self.fields.update({k: _finite(v) for k, v in fields.items()})
+        record = {**self.fields, "updated_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+
+class EventLog:
+    def __init__(self, total_steps: int, stream=None, progress_stream=None):
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        progress = progress_stream or sys.stderr
+        self.progress = progress if progress.isatty() else None
+
+    def emit(self, event: str, **fields) -> None:
+        record = {"event": event, "time": round(time.time(), 3), **{k: _finite(v) for k, v in fields.items()}}
+        if self.progress is not None and event != "step":
+            self.progress.write("\n")
+        self.stream.write(json.dumps(record) + "\n")
+        self.stream.flush()
+
+    def show_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.progress is None:
+            return
+        width = 30
+        done = int(width * step / max(1, self.total_steps))
+        self.progress.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total_steps} "
+                            f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s")
+        self.progress.flush()
+
+
+class StopSignal:
+    """A flag set by SIGTERM/SIGINT; install() in the main thread, restore() when done."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+    def install(self) -> StopSignal:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, but wake as soon as a stop is requested."""
+        if seconds > 0:
+            self.event.wait(seconds)

@@ -1,0 +1,178 @@
+"""Entry point: `python -m dflash.train --config <yaml>`.
+
+Single process: the frozen target and the drafter live in this process and take turns each step.
+SIGTERM (or SIGINT) lets the current step finish, then the run saves a checkpoint, writes status
+`stopped`, logs a `stop` event and exits 0. Exit codes: 0 done or stopped, 1 crashed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from dflash.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_saves,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dflash.config import ConfigError, TrainConfig, dump_config, load_config
+from dflash.data import BatchOrder, DataError, collate, load_examples
+from dflash.runtime import EventLog, StatusFile, StopSignal
+from dflash.target import load_target, target_hidden_states
+from dflash.training import DrafterTrainer, build_drafter, resolve_layer_ids
+
+EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("pipeline.device: 'cuda' requested but no CUDA device is visible")
+    return torch.device("cuda" if name == "cuda" else "cpu")
+
+
+class SingleProcessRun:
+    """The target, the drafter trainer, the data order and the run's outputs, wired together."""
+
+    def __init__(self, cfg: TrainConfig, status: StatusFile, log: EventLog, stop: StopSignal):
+        self.cfg, self.status, self.log, self.stop = cfg, status, log, stop
+        self.output_dir = Path(cfg.run.output_dir)
+        self.device = resolve_device(cfg.pipeline.device)
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.target = load_target(cfg.model.target_path, cfg.model.dtype, self.device)
+        self.layer_ids = resolve_layer_ids(cfg, self.target.config.num_hidden_layers)
+        self.examples = load_examples(cfg.data.path, cfg.data.max_length, self.target.config.vocab_size)
+        self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
+        self.trainer = DrafterTrainer(build_drafter(cfg, self.target), cfg)
+        self.last_saved_step: int | None = None
+
+    def resume(self) -> None:
+        remove_partial_saves(self.output_dir)
+        checkpoint = latest_checkpoint(self.output_dir) if self.cfg.run.resume else None
+        if checkpoint is None:
+            return
+        model_state, state, _ = load_checkpoint(checkpoint)
+        self.trainer.drafter.load_trainable_state_dict(model_state)
+        self.trainer.load_state_dict(state["trainer"])
+        self.order.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.last_saved_step = self.trainer.step
+        self.status.update(last_checkpoint=str(checkpoint))
+        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint))
+
+    def save(self) -> None:
+        step = self.trainer.step
+        drafter = self.trainer.drafter
+        meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
+                "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype}
+        state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": rng_state()}
+        path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
+                               dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+        self.last_saved_step = step
+        self.status.update(last_checkpoint=str(path))
+        self.log.emit("checkpoint", step=step, path=str(path))
+
+    def train_one_step(self):
+        batch = collate([self.examples[i] for i in self.order.next_batch()])
+        batch = {name: t.to(self.device) for name, t in batch.items()}
+        packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"], self.layer_ids)
+        return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
+                                       packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
+
+    def run(self) -> str:
+        """Train until done, stopped, or the per-run step budget is spent; return why it ended."""
+        run_cfg, total = self.cfg.run, self.cfg.optim.total_steps
+        self.log.emit("start", step=self.trainer.step, total_steps=total, pid=os.getpid(),
+                      device=str(self.device), target_layer_ids=self.layer_ids, examples=len(self.examples))
+        self.status.update(state="running", step=self.trainer.step)
+        steps_this_run = 0
+        reason = "completed"
+        while self.trainer.step < total:
+            if self.stop.requested:
+                reason = f"signal {self.stop.signal_name}"
+                break
+            if run_cfg.max_steps_per_run is not None and steps_this_run >= run_cfg.max_steps_per_run:
+                reason = "max_steps_per_run"
+                break
+            started = time.perf_counter()
+            result = self.train_one_step()
+            steps_this_run += 1
+            tokens_per_s = result.num_tokens / max(time.perf_counter() - started, 1e-9)
+            if result.step % run_cfg.log_every == 0 or result.step == total:
+                self.log.emit("step", step=result.step, loss=result.loss, accuracy=result.accuracy,
+                              lr=result.lr, tokens_per_s=round(tokens_per_s, 1), blocks=result.num_blocks)
+                self.status.update(step=result.step, loss=result.loss, accuracy=result.accuracy,
+                                   tokens_per_s=round(tokens_per_s, 1))
+            self.log.show_progress(result.step, result.loss, tokens_per_s)
+            if result.step % run_cfg.save_every == 0:
+                self.save()
+            self.stop.sleep(run_cfg.step_delay)
+        self.status.update(state="stopping", step=self.trainer.step)
+        if self.last_saved_step != self.trainer.step:
+            self.save()
+        return reason
+
+
+def run_single_process(cfg: TrainConfig) -> int:
+    """Run the whole training in this process; return the exit code."""
+    torch.set_num_threads(cfg.pipeline.threads_per_worker)
+    worker = {"state": "starting", "pid": os.getpid(), "gpus": []}
+    status = StatusFile(cfg.run.output_dir, workers={"trainer": worker})
+    log = EventLog(cfg.optim.total_steps)
+    stop = StopSignal().install()
+    try:
+        status.update(state="starting")
+        run = SingleProcessRun(cfg, status, log, stop)
+        run.resume()
+        worker["state"] = "running"
+        reason = run.run()
+        worker["state"] = "stopped"
+        status.update(state="stopped", step=run.trainer.step)
+        log.emit("stop", step=run.trainer.step, reason=reason)
+        return EXIT_OK
+    except (ConfigError, DataError, FileNotFoundError) as exc:
+        worker["state"] = "failed"
+        status.update(state="failed")
+        log.emit("error", message=str(exc))
+        print(f"dflash.train: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        worker["state"] = "failed"
+        status.update(state="failed")
+        log.emit("error", message=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return EXIT_CRASH
+    finally:
+        stop.restore()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash.train",
+                                     description="Train a DFlash drafter for a frozen target model.")
+    parser.add_argument("--config", required=True, help="path to the YAML training config (docs/CONTRACTS.md)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"invalid config {args.config}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if cfg.pipeline.is_multi_process:
+        print("dflash.train: this build runs single-process layouts only "
+              "(pipeline target/drafter workers and GPUs must be empty/0)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_single_process(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The drafter's optimisation step, reusable by any process that holds packed target features.
+
+`DrafterTrainer.train_step(features, cu_seqlens, position_ids, input_ids, loss_mask)` takes the
+packed output of the target (`[T, k*H]` plus its metadata, as `get_hidden_states_packed` gives it
+or another process sent it), samples anchors, builds the blocks, and takes one AdamW step.
+Its `state_dict()` holds everything a resume needs besides the weights: optimizer moments,
+scheduler, step, and the anchor RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash.config import OptimConfig, TrainConfig
+from dflash.loss import block_accuracy, build_block_batch, dflash_loss, sample_anchors
+from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.target import build_target_layer_ids, resolve_mask_token_id
+
+
+def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:
+    """The configured target layer ids, else the paper's spacing for the number of draft layers."""
+    ids = cfg.model.target_layer_ids or build_target_layer_ids(n_target_layers, cfg.model.num_draft_layers)
+    if max(ids) >= n_target_layers:
+        raise ValueError(f"model.target_layer_ids {ids} out of range for {n_target_layers} target layers")
+    return list(ids)
+
+
+def build_drafter(cfg: TrainConfig, target: nn.Module) -> DFlashDrafter:
+    """A fresh drafter for `target` (initialised from the torch RNG), sharing its frozen
+    embedding and lm_head, in the configured dtype and on the target's device."""
+    tconf = target.config
+    layer_ids = resolve_layer_ids(cfg, tconf.num_hidden_layers)
+    mask_token_id = resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target_path, tconf.vocab_size)
+    drafter_cfg = DrafterConfig.from_target_config(
+        tconf, num_layers=cfg.model.num_draft_layers, num_target_features=len(layer_ids),
+        block_size=cfg.model.block_size, mask_token_id=mask_token_id,
+    )
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    drafter = DFlashDrafter(drafter_cfg, embed, head)
+    return drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warmup to 1 over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer_and_scheduler(params, optim: OptimConfig):
+    """AdamW over `params` and a LambdaLR with warmup + cosine (paper: lr 6e-4, warmup 4%)."""
+    params = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    warmup_steps = round(optim.warmup_ratio * optim.total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, warmup_steps, optim.total_steps)
+    )
+    return optimizer, scheduler
+
+
+@dataclass
+class StepResult:
+    step: int            # optimizer steps done after this one
+    loss: float
+    accuracy: float      # nan when no position was scored
+    lr: float            # the learning rate this step used
+    num_tokens: int      # real (context) tokens in the batch
+    num_blocks: int
+
+
+class DrafterTrainer:
+    """One drafter, its optimizer and scheduler, and the anchor RNG."""
+
+    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig):
+        self.drafter = drafter
+        self.cfg = cfg
+        self.gamma = cfg.gamma
+        self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim)
+        self.anchor_generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.step = 0
+
+    def sample_anchors(self, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+        bounds = cu_seqlens.tolist()
+        return [
+            sample_anchors(loss_mask[start:end], self.drafter.cfg.block_size, self.cfg.data.max_anchors,
+                           self.anchor_generator)
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+    def train_step(self, features: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor,
+                   input_ids: torch.Tensor, loss_mask: torch.Tensor) -> StepResult:
+        """One optimizer step on packed target features `[T, k*H]` with their `[T]` metadata."""
+        device = self.drafter.fc.weight.device
+        features, position_ids = features.to(device), position_ids.to(device)
+        input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+        anchors = self.sample_anchors(loss_mask, cu_seqlens)
+        dcfg = self.drafter.cfg
+        batch = build_block_batch(input_ids, loss_mask, cu_seqlens, position_ids, anchors, dcfg.block_size,
+                                  dcfg.mask_token_id, self.gamma)
+        self.drafter.train()
+        hidden = self.drafter(features, position_ids, batch.block_input_ids, batch.block_positions,
+                              batch.attention_mask)
+        logits = self.drafter.logits(hidden)
+        loss = dflash_loss(logits, batch.labels, batch.weights)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return StepResult(self.step, float(loss.detach()), block_accuracy(logits, batch.labels, batch.weights),
+                          lr, int(features.shape[0]), sum(a.numel() for a in anchors))
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "anchor_rng": self.anchor_generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.anchor_generator.set_state(state["anchor_rng"])
