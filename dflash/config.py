@@ -232,7 +232,8 @@ def _section_from_dict(name: str, raw) -> object:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"{name}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"{name}: unknown key(s) {', '.join(map(str, unknown))} "
+                          f"(known: {', '.join(sorted(known))})")
     missing = sorted(
         f.name for f in dataclasses.fields(cls)
         if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -265,7 +266,8 @@ def target_num_layers(target_path: str) -> int:
         raw = json.loads(config_file.read_text())
         return int(raw.get("num_hidden_layers") or raw["text_config"]["num_hidden_layers"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"model.target_path: cannot read num_hidden_layers from {config_file}: {exc}") from exc
+        raise ConfigError(f"model.target_path: cannot read num_hidden_layers from {config_file}: {exc}") \
+            from exc
 
 
 def check_against_target(cfg: TrainConfig) -> None:

@@ -48,7 +48,8 @@ def _select_layers(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[in
     selected = [hidden_states[layer_id + 1] for layer_id in layer_ids]
     shape = selected[0].shape
     if len(shape) != 3 or any(h.shape != shape for h in selected):
-        raise ValueError(f"expected k tensors of one shape [B, Lmax, H], got {[tuple(h.shape) for h in selected]}")
+        shapes = [tuple(h.shape) for h in selected]
+        raise ValueError(f"expected k tensors of one shape [B, Lmax, H], got {shapes}")
     return selected
 
 
@@ -79,7 +80,7 @@ def get_hidden_states_packed(
     _check_mask(attention_mask, selected[0].shape)
     cu_seqlens, position_ids, token_index = packing_metadata(attention_mask)
     n_tokens = token_index.numel()
-    features = torch.empty(n_tokens, len(selected), hidden, dtype=selected[0].dtype, device=selected[0].device)
+    features = selected[0].new_empty(n_tokens, len(selected), hidden)
     for i, layer in enumerate(selected):
         # Writes through the strided column view: no [T, H] temporary, no [B, Lmax, k*H] tensor.
         torch.index_select(layer.reshape(batch * max_len, hidden), 0, token_index, out=features[:, i])

@@ -18,7 +18,8 @@ def build_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[in
     layer for a single draft layer. On shallow targets the span widens (up to layer n-1) so that
     the ids stay distinct where the depth allows."""
     if n_target_layers < 1 or n_draft_layers < 1:
-        raise ValueError(f"need at least one target and one draft layer, got {n_target_layers}, {n_draft_layers}")
+        raise ValueError(f"need at least one target and one draft layer, "
+                         f"got {n_target_layers} and {n_draft_layers}")
     if n_draft_layers == 1:
         return [n_target_layers // 2]
     start = min(1, n_target_layers - 1)
@@ -47,7 +48,8 @@ def resolve_mask_token_id(configured: int | None, target_path: str | Path, vocab
     """The configured mask token, else the tokenizer's mask or pad token, else vocab_size - 1."""
     if configured is not None:
         if not 0 <= configured < vocab_size:
-            raise ValueError(f"model.mask_token_id {configured} is outside the vocabulary (size {vocab_size})")
+            raise ValueError(f"model.mask_token_id {configured} is outside the vocabulary "
+                             f"(size {vocab_size})")
         return configured
     path = Path(target_path)
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():

@@ -86,7 +86,8 @@ class SingleProcessRun:
     def train_one_step(self):
         batch = collate([self.examples[i] for i in self.order.next_batch()])
         batch = {name: t.to(self.device) for name, t in batch.items()}
-        packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"], self.layer_ids)
+        packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"],
+                                      self.layer_ids)
         return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
                                        packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
 
@@ -160,7 +161,8 @@ def run_single_process(cfg: TrainConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash.train",
                                      description="Train a DFlash drafter for a frozen target model.")
-    parser.add_argument("--config", required=True, help="path to the YAML training config (docs/CONTRACTS.md)")
+    parser.add_argument("--config", required=True,
+                        help="path to the YAML training config (see docs/CONTRACTS.md)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)

@@ -116,8 +116,9 @@ class DrafterTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return StepResult(self.step, float(loss.detach()), block_accuracy(logits, batch.labels, batch.weights),
-                          lr, int(features.shape[0]), sum(a.numel() for a in anchors))
+        accuracy = block_accuracy(logits, batch.labels, batch.weights)
+        return StepResult(self.step, float(loss.detach()), accuracy, lr, int(features.shape[0]),
+                          sum(a.numel() for a in anchors))
 
     def state_dict(self) -> dict:
         return {
