@@ -1,0 +1,292 @@
+"""The launcher: the process that *is* a multi-process run.
+
+`run.sh` execs `python -m dflash.train --config <yaml>`; when the config's `pipeline` section asks
+for workers, that process becomes this launcher. It
+
+- resolves the layout (one worker per target GPU and per drafter GPU, or `target_workers` /
+  `drafter_workers` on CPU) and refuses a layout that overlaps or exceeds the visible GPUs;
+- starts the workers (`python -m dflash.pipeline`) in its own process group, each with its own
+  `CUDA_VISIBLE_DEVICES` and thread count, rendezvousing on a free loopback port;
+- forwards every worker's JSON log lines to its stdout (tagged with the worker's name) and keeps
+  the last lines of each worker's stderr for error reports;
+- owns `status.json` (step, loss, accuracy, tokens/s, last checkpoint, per-worker state);
+- on SIGTERM/SIGINT forwards SIGTERM to the workers (the drafters checkpoint, then every worker
+  exits) and exits 0 once all of them have exited cleanly;
+- when a worker fails, stops the others (SIGTERM, then SIGKILL after a grace period), logs the
+  worker's error and exits 1. Nothing is started outside the process group, nothing is left behind.
+
+It imports no torch: it stays small and answers signals at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.config import ConfigError, PipelineConfig, TrainConfig
+from dflash.runtime import StatusFile
+
+# Seconds the other workers get to exit after one failed, before SIGKILL.
+FAILURE_GRACE_S = float(os.environ.get("DFLASH_FAILURE_GRACE_S", "10"))
+STDERR_TAIL_LINES = 40
+POLL_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process of the layout."""
+
+    name: str  # target0, target1, drafter0...
+    role: str  # "target" | "drafter"
+    role_rank: int  # index among the workers of its role
+    rank: int  # global torch.distributed rank: drafters first, so rank 0 is drafter 0
+    gpus: tuple[int, ...]  # physical GPU indices it sees (CUDA_VISIBLE_DEVICES); () on CPU
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else the devices the driver lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    dev = Path("/dev")
+    return len([p for p in dev.glob("nvidia[0-9]*")]) if dev.is_dir() else 0
+
+
+def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
+    """The workers of a layout, or ConfigError when the layout cannot run here."""
+    if pipeline.device == "cuda":
+        if pipeline.target_workers or pipeline.drafter_workers:
+            raise ConfigError("pipeline: target_workers/drafter_workers are for device cpu; "
+                              "on cuda list the GPUs in target_gpus and drafter_gpus")
+        if not pipeline.target_gpus or not pipeline.drafter_gpus:
+            raise ConfigError(f"pipeline: device cuda needs at least one target GPU and one drafter GPU, got "
+                              f"target_gpus={pipeline.target_gpus} drafter_gpus={pipeline.drafter_gpus}")
+        for key in ("target_gpus", "drafter_gpus"):
+            gpus = getattr(pipeline, key)
+            if len(set(gpus)) != len(gpus):
+                raise ConfigError(f"pipeline.{key}: lists a GPU twice: {gpus}")
+            beyond = sorted(g for g in gpus if g >= n_visible_gpus)
+            if beyond:
+                raise ConfigError(f"pipeline.{key}: GPUs {beyond} do not exist here "
+                                  f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
+        overlap = sorted(set(pipeline.target_gpus) & set(pipeline.drafter_gpus))
+        if overlap:
+            raise ConfigError(f"pipeline: GPUs {overlap} are in both target_gpus and drafter_gpus")
+        targets = [(g,) for g in pipeline.target_gpus]
+        drafters = [(g,) for g in pipeline.drafter_gpus]
+    else:
+        if pipeline.target_gpus or pipeline.drafter_gpus:
+            raise ConfigError("pipeline: target_gpus/drafter_gpus need device cuda; "
+                              "on cpu use target_workers and drafter_workers")
+        if pipeline.target_workers < 1 or pipeline.drafter_workers < 1:
+            raise ConfigError(f"pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers >= 1, got "
+                              f"{pipeline.target_workers} and {pipeline.drafter_workers}")
+        targets = [()] * pipeline.target_workers
+        drafters = [()] * pipeline.drafter_workers
+    specs = [WorkerSpec(f"drafter{i}", "drafter", i, i, gpus) for i, gpus in enumerate(drafters)]
+    specs += [WorkerSpec(f"target{i}", "target", i, len(drafters) + i, gpus) for i, gpus in enumerate(targets)]
+    return specs
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_environment(spec: WorkerSpec, world_size: int, port: int, pipeline: PipelineConfig,
+                       n_targets: int, n_drafters: int) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(pipeline.threads_per_worker)
+    env.update({
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "DFLASH_WORKER_NAME": spec.name,
+        "DFLASH_WORKER_ROLE": spec.role,
+        "DFLASH_ROLE_RANK": str(spec.role_rank),
+        "DFLASH_NUM_TARGETS": str(n_targets),
+        "DFLASH_NUM_DRAFTERS": str(n_drafters),
+        "DFLASH_LAUNCHER_PID": str(os.getpid()),
+        # An empty CUDA_VISIBLE_DEVICES hides every GPU from a CPU worker.
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)),
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    process: subprocess.Popen
+    state: str = "starting"
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+
+def _describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+class Launcher:
+    def __init__(self, cfg: TrainConfig, config_path: str, n_visible_gpus: int | None = None):
+        self.cfg = cfg
+        self.config_path = str(Path(config_path).resolve())
+        gpus = visible_gpu_count() if n_visible_gpus is None else n_visible_gpus
+        self.specs = plan_workers(cfg.pipeline, gpus)
+        self.status = StatusFile(cfg.run.output_dir)
+        self.workers: list[Worker] = []
+        self.lock = threading.Lock()
+        self.stop_requested = False
+        self.stop_forwarded = False
+        self.failure: str | None = None
+        self.kill_deadline: float | None = None
+
+    # --- logging and status -------------------------------------------------------------------
+    def emit(self, record: dict) -> None:
+        with self.lock:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+
+    def _worker_table(self) -> dict:
+        return {w.spec.name: {"state": w.state, "pid": w.process.pid, "gpus": list(w.spec.gpus)}
+                for w in self.workers}
+
+    def update_status(self, **fields) -> None:
+        with self.lock:
+            self.status.update(workers=self._worker_table(), **fields)
+
+    def _on_worker_line(self, worker: Worker, line: str) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "event" not in record:
+            with self.lock:
+                sys.stdout.write(f"[{worker.spec.name}] {line}\n")
+                sys.stdout.flush()
+            return
+        record.setdefault("worker", worker.spec.name)
+        self.emit(record)
+        event = record["event"]
+        if event == "start":
+            worker.state = "running"
+            self.update_status(state="stopping" if self.stop_requested else "running")
+        elif event == "step":
+            self.update_status(**{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
+        elif event == "checkpoint":
+            self.update_status(step=record.get("step"), last_checkpoint=record.get("path"))
+        elif event == "resume":
+            self.update_status(step=record.get("step"), last_checkpoint=record.get("path"))
+
+    def _pump_stdout(self, worker: Worker) -> None:
+        for raw in worker.process.stdout:
+            self._on_worker_line(worker, raw.rstrip("\n"))
+
+    def _pump_stderr(self, worker: Worker) -> None:
+        for raw in worker.process.stderr:
+            line = raw.rstrip("\n")
+            worker.stderr_tail.append(line)
+            with self.lock:
+                sys.stderr.write(f"[{worker.spec.name}] {line}\n")
+                sys.stderr.flush()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start_workers(self) -> None:
+        port = free_loopback_port()
+        n_targets = sum(s.role == "target" for s in self.specs)
+        n_drafters = len(self.specs) - n_targets
+        for spec in self.specs:
+            env = worker_environment(spec, len(self.specs), port, self.cfg.pipeline, n_targets, n_drafters)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "dflash.pipeline", "--config", self.config_path],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, bufsize=1,  # same process group as the launcher: never a new session
+            )
+            self.workers.append(Worker(spec, process))
+        for worker in self.workers:
+            for pump in (self._pump_stdout, self._pump_stderr):
+                thread = threading.Thread(target=pump, args=(worker,), daemon=True)
+                thread.start()
+                worker.threads.append(thread)
+
+    def signal_workers(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.returncode is None:
+                try:
+                    worker.process.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def _handle_stop_signal(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _check_workers(self) -> None:
+        for worker in self.workers:
+            code = worker.returncode
+            if code is None or worker.state in ("exited", "failed"):
+                continue
+            for thread in worker.threads:  # the pipes close when the process exits
+                thread.join(timeout=2)
+            worker.state = "exited" if code == 0 else "failed"
+            self.emit({"event": "worker_exit", "worker": worker.spec.name, "pid": worker.process.pid,
+                       "returncode": code})
+            if code != 0 and self.failure is None:
+                tail = "\n".join(worker.stderr_tail)
+                self.failure = f"worker {worker.spec.name} (pid {worker.process.pid}) failed with {_describe_exit(code)}"
+                self.emit({"event": "error", "worker": worker.spec.name, "message": self.failure,
+                           "stderr_tail": tail})
+                self.signal_workers(signal.SIGTERM)
+                self.kill_deadline = time.monotonic() + FAILURE_GRACE_S
+            self.update_status()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._handle_stop_signal)
+        signal.signal(signal.SIGINT, self._handle_stop_signal)
+        self.emit({"event": "launch", "pid": os.getpid(), "pgid": os.getpgid(0),
+                   "workers": [s.name for s in self.specs]})
+        self.status.update(state="starting", pid=os.getpid(), step=0, workers={})
+        self.start_workers()
+        self.update_status(state="running")
+        while any(w.returncode is None for w in self.workers) or any(
+                w.state not in ("exited", "failed") for w in self.workers):
+            if self.stop_requested and not self.stop_forwarded:
+                self.stop_forwarded = True
+                self.emit({"event": "stop", "reason": "signal"})
+                for worker in self.workers:
+                    if worker.returncode is None:
+                        worker.state = "stopping"
+                self.update_status(state="stopping")
+                self.signal_workers(signal.SIGTERM)
+            self._check_workers()
+            if self.kill_deadline is not None and time.monotonic() > self.kill_deadline:
+                self.signal_workers(signal.SIGKILL)
+                self.kill_deadline = None
+            time.sleep(POLL_INTERVAL_S)
+        if self.failure:
+            self.update_status(state="failed")
+            return 1
+        self.update_status(state="stopped")
+        self.emit({"event": "exit", "returncode": 0})
+        return 0
+
+
+def launch(cfg: TrainConfig, config_path: str) -> int:
+    """Run the multi-process pipeline for `cfg`; the exit status of the run."""
+    return Launcher(cfg, config_path).run()
