@@ -1,0 +1,628 @@
+#!/usr/bin/python
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Ansible modules keep their imports below the documentation blocks, and targets may run a Python
+# older than 3.11 (no datetime.UTC).
+# ruff: noqa: E402, UP017
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: training_run
+short_description: Start, stop, restart or inspect one training run through its pidfile
+description:
+  - Manages one long-running process (a training run) identified only by a pidfile that records
+    its pid, its process-group id and its start time (field 22 of C(/proc/<pid>/stat)).
+  - V(started) runs O(command) in a new session (process-group id = pid), detached from the
+    Ansible connection, stdout and stderr appended to O(log_path), and writes the pidfile atomically.
+  - V(stopped) acts only if the recorded pid is alive, not a zombie, and has the recorded start
+    time. It sends SIGTERM to the process group and to every descendant of the recorded pid (a
+    child that called setsid has left the group), waits O(stop_timeout), sends SIGKILL, waits
+    O(kill_timeout) and confirms that none of them is left.
+  - A stale pidfile (dead pid, zombie, or pid reused by another process) is removed without
+    signalling anything. Processes are never chosen by command line or name.
+version_added: "0.1.0"
+author: dflash-ops contributors
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+options:
+  name:
+    description: Name of the run; stored in the pidfile and used for the default paths.
+    type: str
+    required: true
+  state:
+    description:
+      - V(started) starts the run unless a live run holds the pidfile. If that run has the same
+        O(command) nothing changes; otherwise the module fails and says what is running.
+      - V(stopped) stops the run recorded in the pidfile and removes the pidfile.
+      - V(restarted) stops the live run (if any), then starts O(command).
+      - V(status) reports the run without changing anything.
+    type: str
+    choices: [started, stopped, restarted, status]
+    default: started
+  pidfile:
+    description: Path of the pidfile. Defaults to C(/var/lib/dflash/<name>.pid).
+    type: path
+  command:
+    description:
+      - The argv of the run (no shell). Required for V(started) and V(restarted). A relative
+        program path is resolved against O(chdir), a bare name in the run's C(PATH).
+    type: list
+    elements: str
+  chdir:
+    description: Working directory of the run.
+    type: path
+  environment:
+    description: Variables added to the module's environment for the run.
+    type: dict
+    default: {}
+  log_path:
+    description: File that gets the run's stdout and stderr appended. Defaults to
+      C(/var/log/dflash/<name>.log).
+    type: path
+  stop_timeout:
+    description: Seconds the run gets after SIGTERM to checkpoint and exit before SIGKILL.
+    type: float
+    default: 120
+  kill_timeout:
+    description: Seconds to wait after SIGKILL before failing with the processes that are left.
+    type: float
+    default: 10
+  startup_wait:
+    description: Seconds the run must stay alive after starting; if it exits sooner the module
+      fails with the tail of O(log_path).
+    type: float
+    default: 1
+notes:
+  - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
+    so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
+  - A lock file C(<pidfile>.lock) serialises concurrent invocations on the same pidfile.
+"""
+
+EXAMPLES = r"""
+- name: Ensure the training run is started.
+  training_run:
+    name: main
+    command: [/opt/dflash/current/run.sh]
+    chdir: /opt/dflash/current
+    environment:
+      CUDA_VISIBLE_DEVICES: "0,1"
+
+- name: Ensure the training run is stopped (it checkpoints on SIGTERM).
+  training_run:
+    name: main
+    state: stopped
+    stop_timeout: 300
+"""
+
+RETURN = r"""
+status:
+  description: V(running) or V(stopped), when the module returns.
+  returned: always
+  type: str
+pid:
+  description: Pid of the run (the new one after a start), or null.
+  returned: always
+  type: int
+run:
+  description: The pidfile's content (pid, pgid, start_time, argv, chdir, started_at, name,
+    log_path) or null.
+  returned: always
+  type: dict
+stale_pidfile:
+  description: Whether the pidfile named a process that is gone, a zombie or another process.
+  returned: always
+  type: bool
+uptime:
+  description: Seconds since the run started.
+  returned: when running
+  type: float
+how:
+  description: How the stop ended.
+  returned: when a pidfile was acted on outside check mode by V(stopped) or V(restarted), or a
+    stale one replaced by V(started)
+  type: str
+  choices: [terminated, killed, already_stopped, stale_pidfile]
+seconds:
+  description: Seconds the stop took.
+  returned: with O(how)
+  type: float
+signalled:
+  description: Pids signalled (process group members and descendants of the run).
+  returned: with O(how)
+  type: list
+  elements: int
+previous_pid:
+  description: Pid of the run V(restarted) stopped, or of the stale pidfile a start replaced.
+  returned: when a pidfile existed before V(started) or V(restarted)
+  type: int
+log_tail:
+  description: End of O(log_path) when the run died at start.
+  returned: on start failure
+  type: str
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import NamedTuple
+
+from ansible.module_utils.basic import AnsibleModule
+
+PROC = "/proc"
+POLL_SECONDS = 0.2
+LOG_TAIL_BYTES = 4096
+# A pidfile this module did not write is never guessed at: nothing is signalled or removed.
+BY_HAND = "; inspect it and remove it by hand"
+
+
+class ProcStat(NamedTuple):
+    state: str
+    ppid: int
+    pgid: int
+    start_time: int
+
+
+class RunError(Exception):
+    """A failure to report to the user as a message (never a traceback)."""
+
+    def __init__(self, msg, **result):
+        super().__init__(msg)
+        self.result = result
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc: pure readers (proc_root is a parameter so tests can hand them a fake tree)
+
+
+def parse_stat(text):
+    """The fields of /proc/<pid>/stat we use. Field 2 (the command name) may contain spaces and
+    ')', so fields are counted from the last ')': field N is at index N - 3 after it."""
+    rparen = text.rfind(")")
+    if rparen < 0:
+        return None
+    fields = text[rparen + 1 :].split()
+    if len(fields) < 20:
+        return None
+    try:
+        return ProcStat(fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+    except ValueError:
+        return None
+
+
+def read_stat(pid, proc_root=PROC):
+    try:
+        with open(f"{proc_root}/{pid}/stat") as stat_file:
+            return parse_stat(stat_file.read())
+    except OSError:  # gone between listing and reading, or never there
+        return None
+
+
+def process_table(proc_root=PROC):
+    table = {}
+    for entry in os.listdir(proc_root):
+        if entry.isdigit():
+            stat = read_stat(int(entry), proc_root)
+            if stat is not None:
+                table[int(entry)] = stat
+    return table
+
+
+def is_alive(stat):
+    """Zombies (Z) and dead tasks (X) count as gone: they run nothing and hold no GPU."""
+    return stat is not None and stat.state not in ("Z", "X", "x")
+
+
+def pidfile_verdict(record, stat):
+    """'live' when the recorded process still runs, else why the pidfile is stale."""
+    if stat is None:
+        return "dead"
+    if stat.start_time != record["start_time"]:
+        return "reused"
+    if not is_alive(stat):
+        return "zombie"
+    return "live"
+
+
+def self_and_ancestors(proc_root=PROC):
+    """This module and the processes above it (the shell, pct exec, sshd...): never signalled,
+    even if a run were started from within them."""
+    protected, pid = set(), os.getpid()
+    while pid > 1 and pid not in protected:
+        protected.add(pid)
+        stat = read_stat(pid, proc_root)
+        pid = stat.ppid if stat else 0
+    return protected
+
+
+def run_members(table, pgid, roots, protected=frozenset()):
+    """Live processes of the run, pid -> start time: the process group plus every descendant of
+    the roots. A child that called setsid has left the group but is still a descendant until its
+    parent dies, which is why callers snapshot before signalling and keep what they saw."""
+    members = {pid: st.start_time for pid, st in table.items() if st.pgid == pgid and is_alive(st)}
+    children = defaultdict(list)
+    for pid, st in table.items():
+        children[st.ppid].append(pid)
+    pending = [pid for pid in roots if is_alive(table.get(pid))] + list(members)
+    seen = set()
+    while pending:
+        pid = pending.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        for child in children.get(pid, ()):
+            if is_alive(table[child]):
+                members[child] = table[child].start_time
+                pending.append(child)
+    return {pid: start for pid, start in members.items() if pid not in protected}
+
+
+def still_running(tracked, table):
+    """Tracked pids that still run with the start time they had when first seen."""
+    return sorted(pid for pid, start in tracked.items()
+                  if is_alive(table.get(pid)) and table[pid].start_time == start)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pidfile
+
+
+def validate_record(data, path):
+    if not isinstance(data, dict):
+        raise RunError(f"pidfile {path} does not hold a JSON object{BY_HAND}")
+    for key, minimum in (("pid", 1), ("pgid", 1), ("start_time", 0)):
+        value = data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise RunError(f"pidfile {path} has no valid '{key}' (got {value!r}){BY_HAND}")
+    return data
+
+
+def load_pidfile(path):
+    """The pidfile's record, or None when there is none."""
+    try:
+        with open(path) as pidfile:
+            text = pidfile.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise RunError(f"pidfile {path} is not JSON{BY_HAND}") from None
+    return validate_record(data, path)
+
+
+def write_pidfile(path, record):
+    """Temp file in the same directory, then rename: a reader sees the old file or the whole new
+    one, never a half-written one."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".pidfile-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as tmp_file:
+            json.dump(record, tmp_file, sort_keys=True)
+            tmp_file.write("\n")
+            tmp_file.flush()
+            os.fsync(tmp_file.fileno())
+        os.chmod(tmp, 0o644)
+        if os.geteuid() == 0:
+            os.chown(tmp, 0, 0)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def remove_file(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def uptime_seconds(record, now=None):
+    try:
+        started = datetime.fromisoformat(record["started_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    now = now or datetime.now(timezone.utc)
+    return round((now - started).total_seconds(), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop
+
+
+def send_signal(sig, pgid, tracked, table, protected):
+    """killpg reaches group members forked after the snapshot; escaped descendants get their own
+    kill, each re-checked against its start time so a reused pid is never hit."""
+    running = still_running(tracked, table)
+    group_running = any(table[pid].pgid == pgid for pid in running)
+    shares_group = any(table[pid].pgid == pgid for pid in protected if pid in table)
+    if group_running and not shares_group:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+    for pid in running:
+        if shares_group or table[pid].pgid != pgid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def wait_until_gone(sig, pgid, tracked, timeout, protected, proc_root):
+    """Poll until every tracked process is gone; members that appear meanwhile are tracked and get
+    the current signal too. Returns the pids still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        table = process_table(proc_root)
+        running = still_running(tracked, table)
+        if running:
+            # A group id is not reused while a member lives, so new members of it are the run's.
+            group_alive = any(table[pid].pgid == pgid for pid in running)
+            found = run_members(table, pgid if group_alive else None, running, protected)
+            new = {pid: start for pid, start in found.items() if pid not in tracked}
+            if new:
+                tracked.update(new)
+                send_signal(sig, pgid, new, table, protected)
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(POLL_SECONDS)
+
+
+def stop_run(record, stop_timeout, kill_timeout, proc_root=PROC):
+    """SIGTERM, wait, SIGKILL, wait, confirm. The caller has checked the record is live."""
+    began = time.monotonic()
+    protected = self_and_ancestors(proc_root)
+    table = process_table(proc_root)
+    tracked = run_members(table, record["pgid"], [record["pid"]], protected)
+    send_signal(signal.SIGTERM, record["pgid"], tracked, table, protected)
+    how = "terminated"
+    left = wait_until_gone(signal.SIGTERM, record["pgid"], tracked, stop_timeout, protected, proc_root)
+    if left:
+        how = "killed"
+        send_signal(signal.SIGKILL, record["pgid"], tracked, process_table(proc_root), protected)
+        left = wait_until_gone(signal.SIGKILL, record["pgid"], tracked, kill_timeout, protected, proc_root)
+    seconds = round(time.monotonic() - began, 2)
+    if left:
+        raise RunError(f"processes {left} of run pid {record['pid']} survived SIGKILL for {kill_timeout}s "
+                       "(uninterruptible sleep?); the pidfile is kept",
+                       signalled=sorted(tracked), seconds=seconds)
+    return {"how": how, "seconds": seconds, "signalled": sorted(tracked)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Start
+
+
+def resolve_program(argv0, chdir, env):
+    """Where exec will find argv[0], or None: checked before anything running is touched."""
+    if "/" in argv0:
+        path = argv0 if os.path.isabs(argv0) else os.path.join(chdir or os.getcwd(), argv0)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return shutil.which(argv0, path=env.get("PATH", os.defpath))
+
+
+def preflight(params, env):
+    """Every reason the start would fail that can be known in advance."""
+    command, chdir = params["command"], params["chdir"]
+    if not command or not command[0]:
+        raise RunError("command must be a non-empty list (the run's argv)")
+    if chdir and not os.path.isdir(chdir):
+        raise RunError(f"chdir {chdir} is not a directory")
+    if resolve_program(command[0], chdir, env) is None:
+        raise RunError(f"cannot start run: {command[0]} is not an executable file (PATH={env.get('PATH')})")
+    for path in (params["pidfile"], params["log_path"]):
+        parent = os.path.dirname(path)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise RunError(f"{parent} (parent of {path}) is not a directory")
+
+
+def reset_signals():
+    """Runs in the child before exec: signals ignored or blocked by whatever launched Ansible
+    must not make the run deaf to SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def spawn(argv, chdir, env, log_path):
+    """Fork and exec in a new session (pgid == sid == pid), stdin from /dev/null, stdout and
+    stderr appended to the log, every other descriptor closed. The module never waits for the
+    run: when it exits, the run is re-parented to init, and having no controlling terminal it gets
+    no SIGHUP when the connection closes."""
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        return subprocess.Popen(argv, cwd=chdir, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                                stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
+                                preexec_fn=reset_signals)
+    except OSError as exc:
+        raise RunError(f"cannot start run {argv}: {exc}") from None
+    finally:
+        os.close(log_fd)
+
+
+def log_tail(path, limit=LOG_TAIL_BYTES):
+    try:
+        with open(path, "rb") as log_file:
+            log_file.seek(0, os.SEEK_END)
+            log_file.seek(max(0, log_file.tell() - limit))
+            return log_file.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def start_run(params, env):
+    for path in (params["pidfile"], params["log_path"]):
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    child = spawn(params["command"], params["chdir"], env, params["log_path"])
+    # Until poll() reaps it the child keeps its /proc entry, even if it has already exited.
+    stat = read_stat(child.pid)
+    record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
+                  argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
+                  started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    # Written before the startup wait so that a module killed during it leaves the run findable.
+    write_pidfile(params["pidfile"], record)
+    deadline = time.monotonic() + params["startup_wait"]
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS / 2)
+    if child.returncode is not None:
+        remove_file(params["pidfile"])
+        raise RunError(f"run exited with code {child.returncode} within {params['startup_wait']}s of "
+                       f"starting; log {params['log_path']}", log_tail=log_tail(params["log_path"]))
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+
+
+def inspect(pidfile):
+    """(record, verdict): verdict is 'absent', 'live', 'dead', 'zombie' or 'reused'."""
+    record = load_pidfile(pidfile)
+    if record is None:
+        return None, "absent"
+    return record, pidfile_verdict(record, read_stat(record["pid"]))
+
+
+def describe(record):
+    return f"pid {record['pid']} argv {record.get('argv')} started at {record.get('started_at')}"
+
+
+def running_result(record, **extra):
+    return dict(status="running", pid=record["pid"], run=record, stale_pidfile=False,
+                uptime=uptime_seconds(record), **extra)
+
+
+def do_stop(module, record, verdict):
+    """Stop what the pidfile names; returns the result fields."""
+    params = module.params
+    if verdict == "absent":
+        return dict(changed=False, how="already_stopped", seconds=0.0, signalled=[], pid=None,
+                    msg=f"no pidfile {params['pidfile']}: nothing to stop")
+    if verdict != "live":
+        msg = f"stale pidfile {params['pidfile']} ({verdict}: {describe(record)}) removed, nothing signalled"
+        if not module.check_mode:
+            remove_file(params["pidfile"])
+        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], pid=record["pid"], msg=msg)
+    if module.check_mode:
+        return dict(changed=True, pid=record["pid"], msg=f"would stop {describe(record)}")
+    stopped = stop_run(record, params["stop_timeout"], params["kill_timeout"])
+    remove_file(params["pidfile"])
+    return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
+                **stopped)
+
+
+def apply_state(module, env):
+    params = module.params
+    state = params["state"]
+    record, verdict = inspect(params["pidfile"])
+    stale = verdict in ("dead", "zombie", "reused")
+
+    if state == "status":
+        if verdict == "live":
+            return running_result(record, changed=False, msg=f"running: {describe(record)}")
+        return dict(changed=False, status="stopped", pid=None, run=record, stale_pidfile=stale,
+                    msg=f"stopped ({verdict} pidfile)")
+
+    if state == "stopped":
+        result = do_stop(module, record, verdict)
+        return dict(status="stopped", run=None, stale_pidfile=stale, **result)
+
+    preflight(params, env)
+    if state == "started" and verdict == "live":
+        if record.get("argv") == params["command"]:
+            return running_result(record, changed=False, msg=f"already running: {describe(record)}")
+        raise RunError(f"pidfile {params['pidfile']} is held by a live run with another command: "
+                       f"{describe(record)}; use state=restarted to replace it", **running_result(record))
+    result = {}
+    if verdict != "absent":  # restarted with a live run, or any stale pidfile
+        result.update(do_stop(module, record, verdict))
+        result["previous_pid"] = result.pop("pid")
+    if module.check_mode:
+        result.update(changed=True, status="stopped", pid=None, run=None, stale_pidfile=stale,
+                      msg=f"would start {params['command']}")
+        return result
+    new_record = start_run(params, env)
+    result.update(running_result(new_record, changed=True, msg=f"started {describe(new_record)}"))
+    result["stale_pidfile"] = stale
+    return result
+
+
+@contextmanager
+def pidfile_lock(pidfile, enabled):
+    """Serialises invocations that may change the pidfile; the lock file stays (removing it would
+    let two invocations lock two different files)."""
+    if not enabled:
+        yield
+        return
+    os.makedirs(os.path.dirname(pidfile) or ".", mode=0o755, exist_ok=True)
+    lock_fd = os.open(pidfile + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock_fd)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            name=dict(type="str", required=True),
+            state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
+            pidfile=dict(type="path"),
+            command=dict(type="list", elements="str"),
+            chdir=dict(type="path"),
+            environment=dict(type="dict", default={}),
+            log_path=dict(type="path"),
+            stop_timeout=dict(type="float", default=120),
+            kill_timeout=dict(type="float", default=10),
+            startup_wait=dict(type="float", default=1),
+        ),
+        required_if=[("state", "started", ["command"]), ("state", "restarted", ["command"])],
+        supports_check_mode=True,
+    )
+    params = module.params
+    name = params["name"]
+    if not name or "/" in name or name.startswith("."):
+        module.fail_json(msg=f"name {name!r} must be a plain file name (no '/', not starting with '.')")
+    for key in ("stop_timeout", "kill_timeout", "startup_wait"):
+        if params[key] < 0:
+            module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
+    params["pidfile"] = params["pidfile"] or f"/var/lib/dflash/{name}.pid"
+    params["log_path"] = params["log_path"] or f"/var/log/dflash/{name}.log"
+    env = dict(os.environ)
+    env.update({key: str(value) for key, value in params["environment"].items()})
+
+    result = dict(name=name, pidfile=params["pidfile"])
+    try:
+        with pidfile_lock(params["pidfile"], enabled=params["state"] != "status" and not module.check_mode):
+            result.update(apply_state(module, env))
+    except RunError as exc:
+        result.update(exc.result)
+        module.fail_json(msg=str(exc), **result)
+    except OSError as exc:
+        module.fail_json(msg=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), **result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
