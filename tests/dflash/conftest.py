@@ -58,8 +58,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
-def tiny_config_dict(target: Path, data: Path, output_dir: Path, **sections) -> dict:
-    """A config mapping for the tiny target; `sections` update individual sections."""
+def _tiny_config_dict(target: Path, data: Path, output_dir: Path, **sections) -> dict:
     raw = {
         "model": {"target_path": str(target), "num_draft_layers": 1, "block_size": 4, "dtype": "float32"},
         "data": {"path": str(data), "max_length": 48, "batch_size": 4, "max_anchors": 8},
@@ -70,3 +69,20 @@ def tiny_config_dict(target: Path, data: Path, output_dir: Path, **sections) -> 
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return raw
+
+
+@pytest.fixture
+def tiny_config(tiny_target, tiny_dataset):
+    """Factory: `tiny_config(output_dir, run={...}, ...)` -> a config mapping for the tiny target
+    and data set; keyword arguments update individual sections."""
+
+    def make(output_dir: Path, **sections) -> dict:
+        return _tiny_config_dict(tiny_target, tiny_dataset, output_dir, **sections)
+
+    return make
+
+
+@pytest.fixture
+def make_target(tmp_path):
+    """Factory: `make_target(name, **Qwen3Config overrides)` -> a fresh tiny target directory."""
+    return lambda name="target", **overrides: make_tiny_target(tmp_path / name, **overrides)

@@ -1,0 +1,51 @@
+"""Peak memory that torch itself allocates during one call, on CPU or CUDA.
+
+- CUDA: the caching allocator's own counters (`torch.cuda.max_memory_allocated` after a reset),
+  minus what was allocated before the call.
+- CPU: torch has no peak counter for its CPU allocator, and process RSS is blurred by the Python
+  heap, the allocator's free lists and pages touched earlier. `torch.profiler` with
+  `profile_memory=True` records every allocation and free of torch's CPU allocator as a
+  `[memory]` event with a signed byte count; the running sum of those events in time order is the
+  memory the call holds at each moment beyond what existed before it, and its maximum is the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _cpu_peak_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return result, peak
+
+
+def _cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - before
+
+
+def peak_allocated_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple[object, int]:
+    """Run `fn()` and return (its result, the peak bytes torch allocated during it beyond its inputs).
+    The result stays alive, so its own size counts in the peak."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_peak_bytes(fn, device)
+    return _cpu_peak_bytes(fn)
