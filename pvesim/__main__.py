@@ -1,0 +1,89 @@
+"""python -m pvesim up|down|status: a local Proxmox with real sshd and real LXC."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import container, host, node
+from .sim import DEFAULT_INVENTORY, DEFAULT_STATE_DIR, SimError, down, down_all, load, up
+
+
+def container_ids(text):
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected container ids like 200,201, got {text!r}") from None
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m pvesim",
+                                description="A local Proxmox: real sshd per node, real LXC containers, "
+                                            "a pct at /usr/sbin/pct and simulated GPUs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="bring up nodes and containers and write the inventory (idempotent)")
+    p_up.add_argument("--nodes", type=int, default=1, help="number of nodes, pve1..pveN (default 1)")
+    p_up.add_argument("--containers", type=container_ids, default=[200],
+                      help="container ids, spread over the nodes in contiguous blocks (default 200)")
+    p_up.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node (default 8)")
+    p_up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                      help=f"where this sim keeps its state (default {DEFAULT_STATE_DIR})")
+    p_up.add_argument("--inventory", type=Path, default=DEFAULT_INVENTORY,
+                      help="the Ansible inventory to write (default inventory/sim/hosts.yml)")
+    p_down = sub.add_parser("down", help="stop and remove everything a sim started (also after a crash)")
+    which = p_down.add_mutually_exclusive_group()
+    which.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                       help=f"the sim to bring down (default {DEFAULT_STATE_DIR})")
+    which.add_argument("--all", action="store_true", help="bring down every sim on this machine")
+    p_ssh = sub.add_parser("ssh", help="open ssh to a node as root (or run a command there)")
+    p_ssh.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                       help=f"the sim (default {DEFAULT_STATE_DIR})")
+    p_ssh.add_argument("node", help="node name, e.g. pve1")
+    p_ssh.add_argument("remote_command", nargs=argparse.REMAINDER, help="command to run on the node")
+    p_status = sub.add_parser("status", help="print the nodes and containers of the sims that are up")
+    p_status.add_argument("--state-dir", type=Path, help="only this sim (default: every sim that is up)")
+    return p
+
+
+def print_status(state_dirs):
+    if not state_dirs:
+        print("no pvesim is up")
+        return 1
+    for state_dir in state_dirs:
+        sim = load(state_dir)
+        print(f"pvesim {sim.state_dir}: {len(sim.nodes)} node(s), {sim.gpus} GPU(s) per node, "
+              f"inventory {sim.inventory_path}")
+        for n in sim.nodes:
+            files = node.NodeFiles(sim.state_dir, n.name)
+            listening = "up" if node.accepts(n.address, n.port) else "DOWN"
+            print(f"  {n.name:<6} {n.address}:{n.port:<6} sshd pid {n.sshd_pid} {listening}")
+            for vmid in n.containers:
+                state = (container.state(files, vmid) or "missing").lower()
+                print(f"    CT {vmid:<8} {state:<8} ct{vmid}  init pid {container.init_pid(files, vmid)}")
+    return 0
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            sim = up(nodes=args.nodes, containers=args.containers, gpus=args.gpus, state_dir=args.state_dir,
+                     inventory=args.inventory)
+            return print_status([sim.state_dir])
+        if args.command == "down":
+            down_all() if args.all else down(args.state_dir)
+            return 0
+        if args.command == "ssh":
+            argv = load(args.state_dir).ssh_argv(args.node)
+            remote = args.remote_command
+            os.execvp(argv[0], argv + (remote[1:] if remote[:1] == ["--"] else remote))
+        if args.state_dir:
+            return print_status([args.state_dir])
+        return print_status([d for d in host.registered_state_dirs() if (d / "sim.json").exists()])
+    except SimError as e:
+        print(f"pvesim: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

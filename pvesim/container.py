@@ -1,0 +1,153 @@
+"""A simulated Proxmox container: a real LXC container over the machine's own root.
+
+The root is `overlay:/:<delta>`: the machine's python and the project's venv are visible inside, and
+every write lands in the container's own delta dir. The container has its own PID namespace,
+hostname and cgroup (`/pvesim-<tag>/lxc/<vmid>/ns` as the node sees it in /proc/<pid>/cgroup, so the
+`/lxc/<vmid>/` part matches real Proxmox), and runs pvesim-init, which reaps orphans.
+
+Files that exist only in the container's layer: the simulated nvidia-smi and its GPU list, the init,
+/etc/hostname, and a whiteout hiding the node's /usr/sbin/pct.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import uuid
+
+from .host import PACKAGE_BIN, SimError
+
+GPU_NAME = "NVIDIA H200"
+GPU_MEMORY_MIB = 143771
+INIT_PATH = "/usr/sbin/pvesim-init"
+NVIDIA_SMI_PATH = "/usr/bin/nvidia-smi"
+NVIDIA_SMI_CONFIG = "/etc/pvesim/nvidia-smi.json"
+HOST_PROC_VIEW = "/run/pvesim/hostproc"  # read-only view of the node's /proc, for host PIDs
+
+
+def cgroup_base(tag, vmid):
+    return f"/pvesim-{tag}/lxc/{vmid}"
+
+
+def node_gpus(tag, node_name, count):
+    """The node's simulated GPUs; UUIDs are stable for a given sim and node."""
+    gpus = []
+    for index in range(count):
+        digest = hashlib.md5(f"{tag}/{node_name}/{index}".encode()).digest()
+        gpus.append({"index": index, "uuid": f"GPU-{uuid.UUID(bytes=digest)}", "name": GPU_NAME,
+                     "memory_total": GPU_MEMORY_MIB})
+    return gpus
+
+
+def node_gpu_config(tag, gpus, vmids):
+    """nvidia-smi on the node: every process of the node's containers, found by cgroup in /proc."""
+    return json.dumps({"proc": "/proc", "gpus": gpus, "cgroups": [cgroup_base(tag, v) for v in vmids]})
+
+
+def container_gpu_config(gpus):
+    """nvidia-smi in a container: the processes of its own PID namespace, read from the host's /proc."""
+    return json.dumps({"proc": HOST_PROC_VIEW, "gpus": gpus, "pidns": "self"})
+
+
+def proxmox_config(vmid, gpu_count):
+    """The container's Proxmox config (what /etc/pve/nodes/<node>/lxc/<vmid>.conf holds)."""
+    lines = ["arch: amd64", "cores: 2"]
+    devices = [f"/dev/nvidia{i}" for i in range(gpu_count)]
+    if gpu_count:
+        devices += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    lines += [f"dev{i}: {path}" for i, path in enumerate(devices)]
+    lines += [
+        "features: nesting=1",
+        f"hostname: ct{vmid}",
+        "memory: 8192",
+        "ostype: debian",
+        f"rootfs: local:{vmid}/vm-{vmid}-disk-0.raw,size=32G",
+        "swap: 0",
+    ]
+    if gpu_count:
+        lines += ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
+    return "".join(f"{line}\n" for line in lines)
+
+
+def lxc_config(tag, vmid, delta):
+    return f"""\
+# LXC container {vmid} of pvesim (written by pvesim)
+lxc.uts.name = ct{vmid}
+lxc.rootfs.path = overlay:/:{delta}
+lxc.net.0.type = empty
+lxc.mount.auto = proc:mixed sys:ro cgroup:mixed
+lxc.autodev = 1
+lxc.pty.max = 64
+lxc.tty.max = 0
+lxc.apparmor.profile = unconfined
+lxc.init.cmd = {INIT_PATH}
+lxc.signal.halt = SIGPWR
+lxc.cgroup.dir.container = pvesim-{tag}/lxc/{vmid}
+lxc.cgroup.dir.monitor = pvesim-{tag}/lxc.monitor/{vmid}
+lxc.cgroup.dir.container.inner = ns
+lxc.mount.entry = tmpfs tmp tmpfs rw,nosuid,nodev,mode=1777 0 0
+lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0
+lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0
+lxc.mount.entry = /proc {HOST_PROC_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
+"""
+
+
+def _put(delta, path, data, mode):
+    target = os.path.join(delta, path.lstrip("/"))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "wb") as f:
+        f.write(data)
+    os.chmod(target, mode)
+
+
+def _whiteout(delta, path):
+    """An overlayfs whiteout: the path of the lower layer (the node) does not exist in the container."""
+    target = os.path.join(delta, path.lstrip("/"))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if not os.path.exists(target):
+        os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+
+def write_container(node_files, tag, vmid, gpus):
+    """Write the container's LXC config, its Proxmox config and the files of its own layer."""
+    ct_dir = node_files.lxcpath / str(vmid)
+    delta = ct_dir / "delta"
+    delta.mkdir(parents=True, exist_ok=True)
+    (ct_dir / "config").write_text(lxc_config(tag, vmid, delta))
+    (node_files.pve_confdir / f"{vmid}.conf").write_text(proxmox_config(vmid, len(gpus)))
+    _put(delta, INIT_PATH, (PACKAGE_BIN / "pvesim-init").read_bytes(), 0o755)
+    _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
+    _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(gpus).encode(), 0o644)
+    _put(delta, "/etc/hostname", f"ct{vmid}\n".encode(), 0o644)
+    _whiteout(delta, "/usr/sbin/pct")
+
+
+def lxc(tool, node_files, vmid, *args, **kw):
+    return subprocess.run([f"lxc-{tool}", "-n", str(vmid), "-P", str(node_files.lxcpath), *args],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, **kw)
+
+
+def state(node_files, vmid):
+    """RUNNING, STOPPED, ... as lxc-info reports it; None if LXC does not know the container."""
+    res = lxc("info", node_files, vmid, "-s", "-H")
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def init_pid(node_files, vmid):
+    res = lxc("info", node_files, vmid, "-p", "-H")
+    return int(res.stdout) if res.returncode == 0 and res.stdout.strip().isdigit() else None
+
+
+def destroy(node_files, vmid):
+    """Stop the container (hard) and remove everything of it, its layer included."""
+    if state(node_files, vmid) not in (None, "STOPPED"):
+        res = lxc("stop", node_files, vmid, "--kill")
+        if state(node_files, vmid) not in (None, "STOPPED"):
+            # Keep its files: without its config nothing could stop it any more.
+            raise SimError(f"container {vmid} of {node_files.name} did not stop: {res.stderr.strip()}")
+    ct_dir = node_files.lxcpath / str(vmid)
+    if ct_dir.is_dir():
+        shutil.rmtree(ct_dir)
+    (node_files.pve_confdir / f"{vmid}.conf").unlink(missing_ok=True)

@@ -1,0 +1,154 @@
+"""A simulated Proxmox node: one real sshd on a loopback address, with its own host key and settings.
+
+`SetEnv` in the node's sshd_config tells every session which node and state dir it belongs to (for
+/usr/sbin/pct) and puts the node's own tools (the node-side nvidia-smi) first on PATH.
+"""
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from . import procs
+from .host import PACKAGE_BIN, SimError
+
+SSHD = "/usr/sbin/sshd"
+NODE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+START_TIMEOUT_S = 10.0
+
+
+def node_address(index):
+    """pve1 listens on 127.0.0.2, pve2 on 127.0.0.3, ...: each node its own loopback address."""
+    return f"127.0.0.{2 + index}"
+
+
+def free_port(address):
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def keygen(path, comment):
+    if not path.exists():
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                       check=True, stdin=subprocess.DEVNULL)
+    return path.with_name(path.name + ".pub").read_text().split()[:2]
+
+
+class NodeFiles:
+    """Paths of one node under <state dir>/nodes/<name>/."""
+
+    def __init__(self, state_dir, name):
+        self.state_dir = Path(state_dir)
+        self.name = name
+        self.root = self.state_dir / "nodes" / name
+        self.lxcpath = self.root / "lxc"
+        self.pve_confdir = self.root / "pve" / "lxc"
+        self.bin = self.root / "bin"
+        self.host_key = self.root / "ssh_host_ed25519_key"
+        self.sshd_config = self.root / "sshd_config"
+        self.pidfile = self.root / "sshd.pid"
+        self.log = self.root / "sshd.log"
+        self.gpu_config = self.root / "nvidia-smi.json"
+
+    def session_env(self):
+        """What every ssh session on this node gets; pct reads PVESIM_STATE_DIR and PVESIM_NODE."""
+        return {
+            "PVESIM_STATE_DIR": str(self.state_dir),
+            "PVESIM_NODE": self.name,
+            "PVESIM_NVIDIA_SMI_CONFIG": str(self.gpu_config),
+            "PATH": f"{self.bin}:{NODE_PATH}",
+        }
+
+
+def write_node(files, address, port, authorized_keys, gpu_config_json):
+    """Create the node's directories, host key, sshd_config and node-side nvidia-smi."""
+    for d in (files.lxcpath, files.pve_confdir, files.bin):
+        d.mkdir(parents=True, exist_ok=True)
+    host_key = keygen(files.host_key, f"root@{files.name}")
+    setenv = " ".join(f"{k}={v}" for k, v in files.session_env().items())
+    files.sshd_config.write_text(f"""\
+# sshd of the simulated Proxmox node {files.name} (written by pvesim)
+Port {port}
+ListenAddress {address}
+HostKey {files.host_key}
+PidFile {files.pidfile}
+AuthorizedKeysFile {authorized_keys}
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PermitRootLogin prohibit-password
+# The state dir may live under a world-writable /tmp.
+StrictModes no
+UseDNS no
+PrintMotd no
+PrintLastLog no
+MaxStartups 100
+MaxSessions 100
+SetEnv {setenv}
+Subsystem sftp internal-sftp
+LogLevel INFO
+""")
+    shutil.copyfile(PACKAGE_BIN / "nvidia-smi", files.bin / "nvidia-smi")
+    (files.bin / "nvidia-smi").chmod(0o755)
+    files.gpu_config.write_text(gpu_config_json)
+    return host_key
+
+
+def start_sshd(files, address, port):
+    """Start the node's sshd (it daemonizes itself); return (pid, start time)."""
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    files.pidfile.unlink(missing_ok=True)
+    res = subprocess.run([SSHD, "-f", str(files.sshd_config), "-E", str(files.log)],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SimError(f"sshd of {files.name} did not start on {address}:{port}: "
+                        f"{res.stderr.strip()} {tail(files.log)}")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pid = read_pid(files.pidfile)
+        if pid and accepts(address, port):
+            return pid, procs.start_time(pid)
+        time.sleep(0.02)
+    raise SimError(f"sshd of {files.name} is not listening on {address}:{port}: {tail(files.log)}")
+
+
+def read_pid(path):
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def accepts(address, port):
+    try:
+        with socket.create_connection((address, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def sshd_is_ours(pid, files):
+    """True if `pid` is an sshd started with this node's config (guards against a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()  # sshd rewrites it into one line
+    except OSError:
+        return False
+    return str(files.sshd_config).encode() in cmdline
+
+
+def stop_sshd(files, pid=None, started=None):
+    """Stop the node's sshd and every session under it (by pid: recorded, else the pidfile)."""
+    for candidate in (pid, read_pid(files.pidfile)):
+        if candidate and procs.is_alive(candidate, started if candidate == pid else None) \
+                and sshd_is_ours(candidate, files):
+            procs.stop_tree(candidate, procs.start_time(candidate))
+
+
+def tail(path, lines=5):
+    try:
+        return " | ".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,290 @@
+"""pvesim's Python API: up, down, load and the Sim they return.
+
+A sim lives in its state dir: sim.json (the layout and the pids it started), the client key pair,
+a known_hosts file, and nodes/<name>/ (sshd config and host key, LXC containers, Proxmox configs).
+Several sims run side by side with different state dirs.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import container, host, node, procs
+from .host import SimError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STATE_DIR = Path("/var/lib/pvesim/default")
+DEFAULT_INVENTORY = REPO_ROOT / "inventory" / "sim" / "hosts.yml"
+STATE_FILE = "sim.json"
+INVENTORY_HEADER = "# Written by `python -m pvesim up --state-dir {state_dir}`; `pvesim down` removes it.\n"
+MAX_GPUS = 16
+# The python of a Debian/Proxmox node, also what containers see through their overlay root. Named in the
+# inventory because interpreter discovery would follow whatever the login shell puts first on PATH.
+NODE_PYTHON = "/usr/bin/python3"
+
+
+@dataclass
+class SimNode:
+    name: str
+    address: str
+    port: int
+    containers: list[int]
+    sshd_pid: int | None = None
+    sshd_started: int | None = None
+
+
+@dataclass
+class Sim:
+    state_dir: Path
+    nodes: list[SimNode]
+    gpus: int
+    inventory_path: Path
+    tag: str = field(default="")
+
+    @property
+    def private_key(self):
+        return self.state_dir / "id_ed25519"
+
+    @property
+    def known_hosts(self):
+        return self.state_dir / "known_hosts"
+
+    @property
+    def containers(self):
+        return [vmid for n in self.nodes for vmid in n.containers]
+
+    def node(self, name):
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise SimError(f"no node {name!r} in the sim at {self.state_dir}")
+
+    def node_of(self, vmid):
+        for n in self.nodes:
+            if vmid in n.containers:
+                return n
+        raise SimError(f"no container {vmid} in the sim at {self.state_dir}")
+
+    def ssh_argv(self, node_name):
+        """The ssh command line reaching a node as root, host key checking on."""
+        n = self.node(node_name)
+        return ["ssh", "-i", str(self.private_key), "-p", str(n.port),
+                "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+                "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", f"root@{n.address}"]
+
+    def ssh(self, node_name, command, timeout=60, **kw):
+        """Run a shell command on a node over real ssh; returns the CompletedProcess (text, captured)."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run([*self.ssh_argv(node_name), command], timeout=timeout,
+                              stdin=kw.pop("stdin", subprocess.DEVNULL), **kw)
+
+    def to_json(self):
+        data = asdict(self)
+        data["state_dir"], data["inventory_path"] = str(self.state_dir), str(self.inventory_path)
+        return json.dumps(data, indent=2) + "\n"
+
+    def save(self):
+        path = self.state_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+
+def _node_files(sim_or_dir, name):
+    state_dir = sim_or_dir.state_dir if isinstance(sim_or_dir, Sim) else sim_or_dir
+    return node.NodeFiles(state_dir, name)
+
+
+def load(state_dir=DEFAULT_STATE_DIR):
+    """The sim whose state is in `state_dir`; SimError if none was brought up there."""
+    path = Path(state_dir).resolve() / STATE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SimError(f"no pvesim is up in {path.parent} (run `python -m pvesim up`)") from None
+    return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
+               gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"])
+
+
+def split_containers(containers, nodes):
+    """Contiguous blocks: --nodes 2 --containers 200,201,202,203 gives pve1 200,201 and pve2 202,203."""
+    per_node = -(-len(containers) // nodes)
+    return [list(containers[i * per_node:(i + 1) * per_node]) for i in range(nodes)]
+
+
+def _validate(nodes, containers, gpus, state_dir):
+    if not isinstance(nodes, int) or not 1 <= nodes <= 200:
+        raise SimError(f"--nodes must be between 1 and 200, got {nodes!r}")
+    if not containers:
+        raise SimError("--containers must name at least one container id")
+    for vmid in containers:
+        if not isinstance(vmid, int) or not 100 <= vmid <= 999999999:
+            raise SimError(f"container ids are integers from 100 to 999999999 (as in Proxmox), got {vmid!r}")
+    if len(set(containers)) != len(containers):
+        raise SimError(f"container ids must be unique, got {list(containers)}")
+    if not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS:
+        raise SimError(f"--gpus must be between 0 and {MAX_GPUS}, got {gpus!r}")
+    if str(state_dir) == "/" or any(c.isspace() for c in str(state_dir)):
+        raise SimError(f"unusable state dir {str(state_dir)!r} (it must not be / or contain whitespace)")
+    if os.geteuid() != 0:
+        raise SimError("pvesim needs root (it runs sshd and LXC containers)")
+    for tool in ("lxc-start", "lxc-attach", node.SSHD, "ssh-keygen", "ssh"):
+        if not shutil.which(tool):
+            raise SimError(f"{tool} not found: install lxc and openssh-server (`make setup`)")
+
+
+def _healthy(sim):
+    for n in sim.nodes:
+        if not procs.is_alive(n.sshd_pid, n.sshd_started) or not node.accepts(n.address, n.port):
+            return False
+    return True
+
+
+def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY):
+    """Bring up a sim (idempotent: a running sim with the same layout is left as it is)."""
+    containers = list(containers)
+    state_dir = Path(state_dir).resolve()
+    inventory = Path(inventory).resolve()
+    _validate(nodes, containers, gpus, state_dir)
+    with host.machine_lock():
+        if (state_dir / STATE_FILE).exists():
+            current = load(state_dir)
+            same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
+                    and current.gpus == gpus and current.inventory_path == inventory)
+            if same and _healthy(current):
+                _ensure_running(current)
+                return current
+            if not same and _healthy(current):
+                raise SimError(f"a sim with another layout is up in {state_dir}: run "
+                               f"`python -m pvesim down --state-dir {state_dir}` first")
+            _down_locked(state_dir)  # a half-dead sim: start over
+        try:
+            return _up_locked(nodes, containers, gpus, state_dir, inventory)
+        except BaseException:
+            _down_locked(state_dir)
+            raise
+
+
+def _up_locked(nodes, containers, gpus, state_dir, inventory):
+    tag = host.sim_tag(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag,
+              nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
+                     for i, block in enumerate(split_containers(containers, nodes))])
+    # Registered and saved before anything starts, so that `down` finds whatever a crash leaves.
+    host.register(state_dir)
+    sim.save()
+    host.install_pct()
+    client_key = node.keygen(sim.private_key, "pvesim")
+    authorized_keys = state_dir / "authorized_keys"
+    authorized_keys.write_text(" ".join(client_key) + " pvesim\n")
+    known_hosts = []
+    for n in sim.nodes:
+        files = _node_files(sim, n.name)
+        gpus_of_node = container.node_gpus(tag, n.name, gpus)
+        n.port = node.free_port(n.address)
+        key = node.write_node(files, n.address, n.port, authorized_keys,
+                              container.node_gpu_config(tag, gpus_of_node, n.containers))
+        n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
+        sim.save()
+        known_hosts.append(f"[{n.address}]:{n.port} {key[0]} {key[1]}")
+        for vmid in n.containers:
+            container.write_container(files, tag, vmid, gpus_of_node)
+    sim.known_hosts.write_text("".join(f"{line}\n" for line in known_hosts))
+    host.set_system_known_hosts(state_dir, known_hosts)
+    _ensure_running(sim)
+    write_inventory(sim)
+    return sim
+
+
+def _ensure_running(sim):
+    """Start every container that is not running, through the node's own pct."""
+    for n in sim.nodes:
+        env = {**os.environ, **_node_files(sim, n.name).session_env()}
+        for vmid in n.containers:
+            if container.state(_node_files(sim, n.name), vmid) != "RUNNING":
+                res = subprocess.run([str(host.PCT_PATH), "start", str(vmid)], env=env,
+                                     capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                if res.returncode != 0:
+                    raise SimError(f"container {vmid} on {n.name} did not start: {res.stderr.strip()}")
+    if not sim.inventory_path.exists():
+        write_inventory(sim)
+
+
+def inventory_data(sim):
+    ssh_args = f"-o UserKnownHostsFile={sim.known_hosts} -o StrictHostKeyChecking=yes"
+    node_hosts, container_hosts = {}, {}
+    for n in sim.nodes:
+        node_hosts[n.name] = {
+            "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
+            "ansible_ssh_private_key_file": str(sim.private_key), "ansible_ssh_common_args": ssh_args,
+            "ansible_python_interpreter": NODE_PYTHON,
+        }
+        for vmid in n.containers:
+            container_hosts[f"ct{vmid}"] = {
+                "ansible_connection": "community.proxmox.proxmox_pct_remote",
+                "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
+                "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
+                "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
+            }
+    return {"all": {"children": {"proxmox_hosts": {"hosts": node_hosts},
+                                 "training_containers": {"hosts": container_hosts}}}}
+
+
+def write_inventory(sim):
+    sim.inventory_path.parent.mkdir(parents=True, exist_ok=True)
+    text = INVENTORY_HEADER.format(state_dir=sim.state_dir) + "---\n"
+    text += yaml.safe_dump(inventory_data(sim), sort_keys=False, default_flow_style=False, width=1000)
+    sim.inventory_path.write_text(text)
+
+
+def down(state_dir=DEFAULT_STATE_DIR):
+    """Stop and remove everything the sim in `state_dir` started and installed (also after a crash)."""
+    with host.machine_lock():
+        _down_locked(Path(state_dir).resolve())
+
+
+def down_all():
+    """Bring down every registered sim (and the default one)."""
+    with host.machine_lock():
+        for state_dir in {*host.registered_state_dirs(), DEFAULT_STATE_DIR}:
+            _down_locked(state_dir)
+
+
+def _down_locked(state_dir):
+    try:
+        sim = load(state_dir)
+    except (SimError, ValueError, KeyError, TypeError):
+        sim = None
+    recorded = {n.name: n for n in sim.nodes} if sim else {}
+    nodes_dir = state_dir / "nodes"
+    for node_dir in sorted(nodes_dir.iterdir()) if nodes_dir.is_dir() else []:
+        files = _node_files(state_dir, node_dir.name)
+        # Containers first (what a node's sessions started inside them dies with them), then sshd.
+        vmids = {p.name for p in files.lxcpath.iterdir()} if files.lxcpath.is_dir() else set()
+        for vmid in sorted(vmids):
+            container.destroy(files, vmid)
+        n = recorded.get(node_dir.name)
+        node.stop_sshd(files, n.sshd_pid if n else None, n.sshd_started if n else None)
+        shutil.rmtree(node_dir)
+    if nodes_dir.is_dir():
+        nodes_dir.rmdir()
+    host.remove_cgroups(host.sim_tag(state_dir))
+    host.remove_system_known_hosts(state_dir)
+    inventory = sim.inventory_path if sim else None
+    if inventory and inventory.is_file() and \
+            inventory.read_text().startswith(INVENTORY_HEADER.format(state_dir=state_dir)):
+        inventory.unlink()
+    for name in ("id_ed25519", "id_ed25519.pub", "known_hosts", "authorized_keys", STATE_FILE,
+                 STATE_FILE.replace(".json", ".tmp")):
+        (state_dir / name).unlink(missing_ok=True)
+    if state_dir.is_dir() and not any(state_dir.iterdir()):
+        state_dir.rmdir()
+    host.unregister(state_dir)
+    host.remove_shared_files_if_unused()

@@ -1,0 +1,96 @@
+"""Shared fixtures: a pvesim for the whole session, fresh sims on demand, and Ansible against them.
+
+Tests marked `sim` need root, lxc and openssh-server (CI has them). They fail, loudly, on a machine
+without them: a skipped foundation would hide every later failure.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import pvesim  # noqa: E402  (importable from a plain checkout, before `pip install -e .`)
+
+VENV_BIN = Path(sys.executable).parent
+# The session's sim: two nodes with two containers each, eight GPUs per node.
+SESSION_LAYOUT = {"nodes": 2, "containers": (200, 201, 202, 203), "gpus": 8}
+
+
+def require_sim_machine():
+    """Fail (not skip) with what is missing when this machine cannot run pvesim."""
+    missing = [tool for tool in ("lxc-start", "lxc-attach", "/usr/sbin/sshd", "ssh", "ssh-keygen")
+               if not shutil.which(tool)]
+    if os.geteuid() != 0:
+        missing.append("root")
+    if missing:
+        pytest.fail("pvesim needs root, lxc and openssh-server (`make setup`); missing: "
+                    + ", ".join(missing), pytrace=False)
+
+
+def bring_up(tmp_dir, **layout):
+    require_sim_machine()
+    try:
+        return pvesim.up(state_dir=tmp_dir / "state", inventory=tmp_dir / "hosts.yml", **layout)
+    except pvesim.SimError as e:
+        pytest.fail(f"pvesim up failed: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory):
+    """pve1 (CT 200, 201) and pve2 (CT 202, 203), 8 GPUs each, own state dir and inventory file."""
+    s = bring_up(tmp_path_factory.mktemp("pvesim"), **SESSION_LAYOUT)
+    yield s
+    pvesim.down(s.state_dir)
+
+
+@pytest.fixture
+def sim_factory(tmp_path_factory):
+    """Bring up extra sims inside one test: `sim_factory(nodes=1, containers=(300,), gpus=0)`."""
+    started = []
+
+    def make(**layout):
+        s = bring_up(tmp_path_factory.mktemp("pvesim-extra"), **layout)
+        started.append(s.state_dir)
+        return s
+
+    yield make
+    for state_dir in started:
+        pvesim.down(state_dir)
+
+
+def ansible_env():
+    env = dict(os.environ)
+    env.update({
+        "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
+        "PATH": f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_DEPRECATION_WARNINGS": "False",
+    })
+    return env
+
+
+@pytest.fixture(scope="session")
+def run_ansible(sim):
+    """run_ansible("ansible", "all", "-m", "ansible.builtin.ping") against the session sim's inventory.
+
+    The first argument names the program (ansible, ansible-playbook, ansible-inventory); the inventory
+    is passed with -i. Returns the CompletedProcess (text, stdout and stderr captured).
+    """
+
+    def run(program, *args, inventory=None, timeout=300, check=False):
+        argv = [str(VENV_BIN / program), "-i", str(inventory or sim.inventory_path), *args]
+        res = subprocess.run(argv, env=ansible_env(), capture_output=True, text=True, timeout=timeout,
+                             cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        if check and res.returncode != 0:
+            pytest.fail(f"{' '.join(argv)} exited {res.returncode}\n{res.stdout}\n{res.stderr}",
+                        pytrace=False)
+        return res
+
+    return run

@@ -1,0 +1,45 @@
+"""Ansible reaches the sim's nodes over ssh, its containers through proxmox_pct_remote."""
+
+import json
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.sim
+
+
+def test_ping_reaches_every_node_and_container(sim, run_ansible):
+    res = run_ansible("ansible", "all", "-m", "ansible.builtin.ping", check=True)
+    for host in ["pve1", "pve2", "ct200", "ct201", "ct202", "ct203"]:
+        assert f"{host} | SUCCESS" in res.stdout
+
+
+def test_inventory_puts_containers_behind_the_pct_connection(sim, run_ansible):
+    res = run_ansible("ansible-inventory", "--list", check=True)
+    inv = json.loads(res.stdout)
+    assert sorted(inv["proxmox_hosts"]["hosts"]) == ["pve1", "pve2"]
+    assert sorted(inv["training_containers"]["hosts"]) == ["ct200", "ct201", "ct202", "ct203"]
+    ct202 = inv["_meta"]["hostvars"]["ct202"]
+    pve2 = sim.node("pve2")
+    assert ct202["ansible_connection"] == "community.proxmox.proxmox_pct_remote"
+    assert (ct202["ansible_host"], ct202["ansible_port"]) == (pve2.address, pve2.port)
+    assert ct202["proxmox_vmid"] == 202
+    assert ct202["pvesim_node"] == "pve2"
+    assert "StrictHostKeyChecking=yes" in inv["_meta"]["hostvars"]["pve1"]["ansible_ssh_common_args"]
+
+
+@pytest.mark.slow
+def test_copy_lands_in_the_container_only(sim, run_ansible, tmp_path):
+    name = f"copied-{uuid.uuid4().hex[:8]}"
+    src = tmp_path / "payload.txt"
+    src.write_text("payload for ct201\n")
+    run_ansible("ansible", "ct201", "-m", "ansible.builtin.copy",
+                "-a", f"src={src} dest=/root/{name} mode=0640", check=True)
+    inside = sim.ssh("pve1", f"pct exec 201 -- stat -c '%a %U' /root/{name}; "
+                             f"pct exec 201 -- cat /root/{name}")
+    assert inside.returncode == 0, inside.stderr
+    assert inside.stdout == "640 root\npayload for ct201\n"
+    on_node = sim.ssh("pve1", f"test -e /root/{name}")
+    assert on_node.returncode == 1
+    other_ct = sim.ssh("pve1", f"pct exec 200 -- test -e /root/{name}")
+    assert other_ct.returncode == 1
