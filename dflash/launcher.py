@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.config import ConfigError, PipelineConfig, TrainConfig
-from dflash.runtime import StatusFile
+from dflash.runtime import EventLog, StatusFile
 
 # Seconds the other workers get to exit after one failed, before SIGKILL.
 FAILURE_GRACE_S = float(os.environ.get("DFLASH_FAILURE_GRACE_S", "10"))
@@ -151,6 +151,7 @@ class Launcher:
         gpus = visible_gpu_count() if n_visible_gpus is None else n_visible_gpus
         self.specs = plan_workers(cfg.pipeline, gpus)
         self.status = StatusFile(cfg.run.output_dir)
+        self.log = EventLog(cfg.optim.total_steps)
         self.workers: list[Worker] = []
         self.lock = threading.Lock()
         self.stop_requested = False
@@ -159,7 +160,11 @@ class Launcher:
         self.kill_deadline: float | None = None
 
     # --- logging and status -------------------------------------------------------------------
-    def emit(self, record: dict) -> None:
+    def emit(self, event: str, **fields) -> None:
+        with self.lock:
+            self.log.emit(event, **fields)
+
+    def forward(self, record: dict) -> None:
         with self.lock:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
@@ -183,17 +188,28 @@ class Launcher:
                 sys.stdout.flush()
             return
         record.setdefault("worker", worker.spec.name)
-        self.emit(record)
+        self.forward(record)
         event = record["event"]
         if event == "start":
-            worker.state = "running"
-            self.update_status(state="stopping" if self.stop_requested else "running")
+            worker.state = "stopping" if self.stop_forwarded else "running"
+            self.update_status()
         elif event == "step":
             self.update_status(**{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
-        elif event == "checkpoint":
-            self.update_status(step=record.get("step"), last_checkpoint=record.get("path"))
-        elif event == "resume":
-            self.update_status(step=record.get("step"), last_checkpoint=record.get("path"))
+            with self.lock:
+                self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
+        elif event in ("checkpoint", "resume"):
+            path = record.get("path") or record.get("checkpoint")
+            self.update_status(step=record.get("step"), last_checkpoint=path)
+        elif event == "stop":
+            worker.state = "stopped"
+            self.update_status()
+        if event == "stop" and worker.spec.role == "drafter":
+            # The drafters have checkpointed and stop: the targets must stop feeding them.
+            for target in self.workers:
+                if target.spec.role == "target" and target.state in ("starting", "running"):
+                    target.state = "stopping"
+                    target.process.send_signal(signal.SIGTERM)
+            self.update_status(state="stopping")
 
     def _pump_stdout(self, worker: Worker) -> None:
         for raw in worker.process.stdout:
@@ -245,13 +261,11 @@ class Launcher:
             for thread in worker.threads:  # the pipes close when the process exits
                 thread.join(timeout=2)
             worker.state = "exited" if code == 0 else "failed"
-            self.emit({"event": "worker_exit", "worker": worker.spec.name, "pid": worker.process.pid,
-                       "returncode": code})
+            self.emit("worker_exit", worker=worker.spec.name, pid=worker.process.pid, returncode=code)
             if code != 0 and self.failure is None:
                 tail = "\n".join(worker.stderr_tail)
                 self.failure = f"worker {worker.spec.name} (pid {worker.process.pid}) failed with {_describe_exit(code)}"
-                self.emit({"event": "error", "worker": worker.spec.name, "message": self.failure,
-                           "stderr_tail": tail})
+                self.emit("error", worker=worker.spec.name, message=self.failure, stderr_tail=tail)
                 self.signal_workers(signal.SIGTERM)
                 self.kill_deadline = time.monotonic() + FAILURE_GRACE_S
             self.update_status()
@@ -259,8 +273,7 @@ class Launcher:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._handle_stop_signal)
         signal.signal(signal.SIGINT, self._handle_stop_signal)
-        self.emit({"event": "launch", "pid": os.getpid(), "pgid": os.getpgid(0),
-                   "workers": [s.name for s in self.specs]})
+        self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs])
         self.status.update(state="starting", pid=os.getpid(), step=0, workers={})
         self.start_workers()
         self.update_status(state="running")
@@ -268,7 +281,7 @@ class Launcher:
                 w.state not in ("exited", "failed") for w in self.workers):
             if self.stop_requested and not self.stop_forwarded:
                 self.stop_forwarded = True
-                self.emit({"event": "stop", "reason": "signal"})
+                self.emit("stop", reason="signal", worker="launcher")
                 for worker in self.workers:
                     if worker.returncode is None:
                         worker.state = "stopping"
@@ -283,10 +296,17 @@ class Launcher:
             self.update_status(state="failed")
             return 1
         self.update_status(state="stopped")
-        self.emit({"event": "exit", "returncode": 0})
+        self.emit("exit", returncode=0)
         return 0
 
 
 def launch(cfg: TrainConfig, config_path: str) -> int:
-    """Run the multi-process pipeline for `cfg`; the exit status of the run."""
-    return Launcher(cfg, config_path).run()
+    """Run the multi-process pipeline for `cfg`; the exit status of the run (2: bad layout or input)."""
+    try:
+        if not Path(cfg.data.path).is_file():
+            raise ConfigError(f"data.path: no data file at {cfg.data.path}")
+        launcher = Launcher(cfg, config_path)
+    except ConfigError as exc:
+        print(f"invalid config {config_path}: {exc}", file=sys.stderr)
+        return 2
+    return launcher.run()

@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if cfg.pipeline.is_multi_process:
-        print("dflash.train: this build runs single-process layouts only "
-              "(pipeline target/drafter workers and GPUs must be empty/0)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        from dflash.launcher import launch
+
+        return launch(cfg, args.config)
     return run_single_process(cfg)
 
 
