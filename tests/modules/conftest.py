@@ -1,0 +1,114 @@
+"""Helpers shared by the tests of the modules in library/.
+
+Unit tests import the modules' pure helpers directly; the other tests run the modules for real,
+either as a program (the way Ansible runs a module: a JSON file of arguments, JSON on stdout) or
+through the `ansible` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARY = REPO / "library"
+VENV_BIN = Path(sys.executable).parent
+
+if str(LIBRARY) not in sys.path:
+    sys.path.insert(0, str(LIBRARY))
+
+
+def run_module(name, args, env=None, timeout=60):
+    """Run library/<name>.py with `args` and return (result dict, rc)."""
+    fd, name_of_file = tempfile.mkstemp(prefix="module-args-", suffix=".json")
+    args_file = Path(name_of_file)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"ANSIBLE_MODULE_ARGS": args}, handle)
+    try:
+        proc = subprocess.run([sys.executable, str(LIBRARY / f"{name}.py"), str(args_file)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    finally:
+        args_file.unlink()
+    try:
+        return json.loads(proc.stdout), proc.returncode
+    except ValueError:
+        pytest.fail(f"{name} printed no JSON (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def run_ansible(module, args, env=None, timeout=120, host="localhost", inventory="localhost,",
+                extra=()):
+    """Run one module through the `ansible` ad-hoc command; returns that host's result."""
+    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-M", str(LIBRARY), "-m", module,
+               "-a", json.dumps(args), *extra]
+    if inventory == "localhost,":
+        command += ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
+    full_env = dict(os.environ, ANSIBLE_LOAD_CALLBACK_PLUGINS="1", ANSIBLE_STDOUT_CALLBACK="json",
+                    ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), **(env or {}))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    try:
+        report = json.loads(proc.stdout)
+        return report["plays"][0]["tasks"][0]["hosts"][host]
+    except (ValueError, KeyError, IndexError):
+        pytest.fail(f"ansible gave no result (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def alive(pid):
+    """True when pid runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            text = stat_file.read()
+    except OSError:
+        return False
+    return text[text.rfind(")") + 2] not in "ZX"
+
+
+def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Processes:
+    """Processes a test starts itself, so they can be ended by pid afterwards."""
+
+    def __init__(self):
+        self.popens = []
+        self.pids = set()
+
+    def spawn(self, argv, **kwargs):
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
+        self.popens.append(proc)
+        return proc
+
+    def track(self, pid):
+        self.pids.add(pid)
+
+    def cleanup(self):
+        for pid in self.pids:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.popens:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def processes():
+    started = Processes()
+    yield started
+    started.cleanup()

@@ -1,0 +1,288 @@
+"""training_run run for real on this machine, against processes the tests start themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LIBRARY, alive, run_ansible, run_module, wait_for
+
+FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
+
+
+class Run:
+    """One run's paths and the module calls on it."""
+
+    def __init__(self, tmp_path, processes, name="main"):
+        self.dir = tmp_path
+        self.processes = processes
+        self.name = name
+        self.pidfile = tmp_path / "state" / f"{name}.pid"
+        self.log = tmp_path / "log" / f"{name}.log"
+
+    def args(self, **extra):
+        return dict(name=self.name, pidfile=str(self.pidfile), log_path=str(self.log), **extra)
+
+    def call(self, **extra):
+        result, rc = run_module("training_run", self.args(**extra))
+        assert "Traceback" not in json.dumps(result)
+        if result.get("pid") and result.get("status") == "running":
+            self.processes.track(result["pid"])
+        return result, rc
+
+    def start(self, *flags, **extra):
+        command = [sys.executable, FAKE_RUN, *flags]
+        result, rc = self.call(command=command, **extra)
+        assert rc == 0, result
+        return result
+
+    def child_pid(self, filename):
+        path = self.dir / filename
+        assert wait_for(path.exists), f"{filename} never written"
+        pid = int(path.read_text())
+        self.processes.track(pid)
+        return pid
+
+
+@pytest.fixture
+def run(tmp_path, processes):
+    return Run(tmp_path, processes)
+
+
+def stat_fields(pid):
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rfind(")") + 2 :].split()
+
+
+def test_start_writes_the_pidfile_and_detaches(run):
+    result = run.start()
+    pid = result["pid"]
+    assert result["changed"] is True and result["status"] == "running"
+    record = json.loads(run.pidfile.read_text())
+    assert record == result["run"]
+    assert record["pid"] == record["pgid"] == pid
+    assert record["start_time"] == int(stat_fields(pid)[19])
+    assert record["argv"] == [sys.executable, FAKE_RUN]
+    assert record["name"] == "main" and record["log_path"] == str(run.log)
+    assert oct(run.pidfile.stat().st_mode & 0o777) == "0o644"
+    # A session of its own: no controlling terminal and no group shared with the connection.
+    assert os.getpgid(pid) == pid and os.getsid(pid) == pid
+    assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == str(run.log)
+    assert int(stat_fields(pid)[1]) != os.getpid()  # re-parented away from the module
+    assert wait_for(lambda: "fake run" in run.log.read_text())
+
+
+def test_only_stdio_is_inherited(run):
+    result, rc = run.call(command=["/bin/sleep", "300"])
+    assert rc == 0, result
+    assert sorted(os.listdir(f"/proc/{result['pid']}/fd")) == ["0", "1", "2"]
+
+
+def test_run_survives_the_teardown_of_the_session_that_started_it(run, tmp_path):
+    """What closing `ssh node pct exec ...` does to the command's session: hang up and kill it."""
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": run.args(command=[sys.executable, FAKE_RUN])}))
+    out = tmp_path / "out.json"
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{sys.executable} {LIBRARY}/training_run.py {args_file} > {out}; exec sleep 300"],
+        start_new_session=True,
+    )
+    try:
+        assert wait_for(lambda: out.exists() and out.read_text().strip().endswith("}"), timeout=30)
+        pid = json.loads(out.read_text())["pid"]
+        run.processes.track(pid)
+        os.killpg(shell.pid, signal.SIGHUP)
+        os.killpg(shell.pid, signal.SIGKILL)
+    finally:
+        shell.wait()
+    time.sleep(0.3)
+    assert alive(pid)
+
+
+def test_started_again_is_unchanged_and_status_reports_the_run(run):
+    first = run.start()
+    again = run.start()
+    assert again["changed"] is False and again["pid"] == first["pid"]
+    assert "already running" in again["msg"]
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["changed"] is False
+    assert status["status"] == "running" and status["pid"] == first["pid"]
+    assert status["run"]["argv"] == first["run"]["argv"]
+    assert status["uptime"] >= 0
+
+
+def test_a_different_command_is_refused_and_what_runs_is_named(run):
+    first = run.start()
+    result, rc = run.call(command=["/bin/sleep", "300"])
+    assert rc == 1 and result["failed"]
+    assert str(first["pid"]) in result["msg"] and "fake_run.py" in result["msg"]
+    assert "restarted" in result["msg"]
+    assert alive(first["pid"])
+    assert json.loads(run.pidfile.read_text())["pid"] == first["pid"]
+
+
+def test_stop_lets_the_run_checkpoint_and_removes_the_pidfile(run, tmp_path):
+    marker = tmp_path / "checkpointed"
+    pid = run.start("--term-marker", str(marker))["pid"]
+    result, rc = run.call(state="stopped", stop_timeout=20)
+    assert rc == 0, result
+    assert result["changed"] is True and result["how"] == "terminated"
+    assert result["pid"] == pid and result["signalled"] == [pid]
+    assert marker.read_text() == "checkpointed"
+    assert not alive(pid) and not run.pidfile.exists()
+    again, rc = run.call(state="stopped")
+    assert rc == 0 and again["changed"] is False and again["how"] == "already_stopped"
+
+
+def test_restarted_replaces_the_run(run):
+    old = run.start()["pid"]
+    result = run.start(state="restarted")
+    assert result["changed"] is True and result["how"] == "terminated"
+    assert result["previous_pid"] == old and result["pid"] != old
+    assert not alive(old) and alive(result["pid"])
+    assert json.loads(run.pidfile.read_text())["pid"] == result["pid"]
+
+
+def test_a_run_that_ignores_sigterm_is_killed_after_stop_timeout(run, tmp_path):
+    pid = run.start("--ignore-term", "--ready", str(tmp_path / "ready"))["pid"]
+    assert wait_for((tmp_path / "ready").exists)
+    result, rc = run.call(state="stopped", stop_timeout=1, kill_timeout=5)
+    assert rc == 0, result
+    assert result["how"] == "killed" and result["seconds"] >= 1
+    assert not alive(pid)
+
+
+def test_children_that_left_the_group_are_stopped_too(run):
+    pid = run.start("--escaped-child", str(run.dir / "escaped"), "--group-child", str(run.dir / "member"))
+    pid = pid["pid"]
+    escaped, member = run.child_pid("escaped"), run.child_pid("member")
+    assert os.getpgid(escaped) != pid and os.getpgid(member) == pid
+    result, rc = run.call(state="stopped", stop_timeout=10)
+    assert rc == 0, result
+    assert set(result["signalled"]) == {pid, escaped, member}
+    assert not any(alive(p) for p in (pid, escaped, member))
+
+
+def test_the_shell_that_stops_and_a_decoy_named_like_the_run_survive(run, tmp_path, processes):
+    """The seeds' trap: `pkill -f <script>` also matched the shell that ran it."""
+    pid = run.start()["pid"]
+    decoy = processes.spawn([sys.executable, "-c", "import time; time.sleep(300)", FAKE_RUN])
+    args_file = tmp_path / "stop.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": run.args(state="stopped")}))
+    shell = subprocess.run(
+        ["bash", "-c", f"{sys.executable} {LIBRARY}/training_run.py {args_file}; echo survived {FAKE_RUN}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.strip().endswith(f"survived {FAKE_RUN}")
+    assert json.loads(shell.stdout.strip().splitlines()[0])["how"] == "terminated"
+    assert not alive(pid)
+    assert alive(decoy.pid)
+
+
+def test_pidfile_naming_an_unrelated_live_process_is_stale_and_it_survives(run, processes):
+    bystander = processes.spawn(["/bin/sleep", "300"], start_new_session=True)
+    start_time = int(stat_fields(bystander.pid)[19])
+    run.pidfile.parent.mkdir(parents=True)
+    # The pid was recorded by an earlier run that started at another moment: it has been reused.
+    record = dict(pid=bystander.pid, pgid=bystander.pid, start_time=start_time - 1, argv=["x"])
+    run.pidfile.write_text(json.dumps(record))
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["status"] == "stopped" and status["stale_pidfile"] is True
+    result, rc = run.call(state="stopped", stop_timeout=1)
+    assert rc == 0, result
+    assert result["how"] == "stale_pidfile" and result["changed"] is True and result["signalled"] == []
+    assert not run.pidfile.exists()
+    time.sleep(0.2)
+    assert alive(bystander.pid)
+
+
+def test_pidfile_of_a_dead_or_zombie_process_is_stale(run, processes):
+    zombie = processes.spawn(["/bin/true"])
+    assert wait_for(lambda: stat_fields(zombie.pid)[0] == "Z")  # exited, not yet reaped
+    run.pidfile.parent.mkdir(parents=True)
+    record = dict(pid=zombie.pid, pgid=zombie.pid, start_time=int(stat_fields(zombie.pid)[19]))
+    run.pidfile.write_text(json.dumps(record))
+    result, rc = run.call(state="stopped")
+    assert rc == 0 and result["how"] == "stale_pidfile" and "zombie" in result["msg"]
+    zombie.wait()
+    run.pidfile.write_text(json.dumps(record))  # now the pid is gone altogether
+    result, rc = run.call(state="stopped")
+    assert rc == 0 and result["how"] == "stale_pidfile" and "dead" in result["msg"]
+
+
+def test_start_over_a_stale_pidfile_starts_the_run(run):
+    run.pidfile.parent.mkdir(parents=True)
+    run.pidfile.write_text(json.dumps(dict(pid=2**22 + 7, pgid=2**22 + 7, start_time=1)))
+    result = run.start()
+    assert result["changed"] is True and result["stale_pidfile"] is True
+    assert result["how"] == "stale_pidfile" and alive(result["pid"])
+
+
+def test_a_run_that_dies_at_once_fails_with_its_log(run):
+    result, rc = run.call(command=[sys.executable, FAKE_RUN, "--exit-at-once", "3"])
+    assert rc == 1 and result["failed"]
+    assert "exited with code 3" in result["msg"]
+    assert "cannot load the config" in result["log_tail"]
+    assert not run.pidfile.exists()
+
+
+def test_a_successor_that_cannot_start_never_stops_the_running_run(run):
+    pid = run.start()["pid"]
+    for bad in (dict(command=["/nonexistent/run.sh"]), dict(command=["run.sh"], chdir="/nonexistent")):
+        result, rc = run.call(state="restarted", **bad)
+        assert rc == 1 and "Traceback" not in result["msg"]
+        assert alive(pid)
+    assert json.loads(run.pidfile.read_text())["pid"] == pid
+
+
+def test_check_mode_changes_nothing(run, processes):
+    result, rc = run.call(command=["/bin/sleep", "300"], _ansible_check_mode=True)
+    assert rc == 0 and result["changed"] is True and not run.pidfile.exists()
+    pid = run.start()["pid"]
+    result, rc = run.call(state="stopped", _ansible_check_mode=True)
+    assert rc == 0 and result["changed"] is True and "would stop" in result["msg"]
+    assert alive(pid) and run.pidfile.exists()
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        (dict(name="../etc/x", state="status"), "plain file name"),
+        (dict(name="main", state="stopped", stop_timeout=-1), "stop_timeout must be >= 0"),
+        (dict(name="main", state="started"), "command"),
+        (dict(name="main", state="started", command=[]), "non-empty"),
+        (dict(name="main", state="bogus"), "state"),
+    ],
+)
+def test_bad_input_gets_a_clear_message(tmp_path, args, complaint):
+    result, rc = run_module("training_run", dict(pidfile=str(tmp_path / "x.pid"), **args))
+    assert rc == 1 and complaint in result["msg"]
+    assert "Traceback" not in json.dumps(result)
+
+
+def test_a_pidfile_it_did_not_write_is_left_alone(run):
+    run.pidfile.parent.mkdir(parents=True)
+    run.pidfile.write_text(f"{os.getpid()}\n")  # a bare pid: this very test process
+    result, rc = run.call(state="stopped")
+    assert rc == 1 and "remove it by hand" in result["msg"]
+    assert run.pidfile.read_text() == f"{os.getpid()}\n"
+
+
+@pytest.mark.slow
+def test_through_ansible(run):
+    """The same module through the `ansible` command (AnsiballZ, local connection)."""
+    start = run_ansible("training_run", run.args(command=[sys.executable, FAKE_RUN]))
+    assert start.get("changed") is True, start
+    run.processes.track(start["pid"])
+    status = run_ansible("training_run", run.args(state="status"))
+    assert status["status"] == "running" and status["pid"] == start["pid"]
+    stop = run_ansible("training_run", run.args(state="stopped"))
+    assert stop["how"] == "terminated" and not alive(start["pid"])
