@@ -58,10 +58,11 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
-def _tiny_config_dict(target: Path, data: Path, output_dir: Path, **sections) -> dict:
+def _tiny_config_dict(target_path: Path, data_path: Path, output_dir: Path, **sections) -> dict:
     raw = {
-        "model": {"target_path": str(target), "num_draft_layers": 1, "block_size": 4, "dtype": "float32"},
-        "data": {"path": str(data), "max_length": 48, "batch_size": 4, "max_anchors": 8},
+        "model": {"target_path": str(target_path), "num_draft_layers": 1, "block_size": 4,
+                  "dtype": "float32"},
+        "data": {"path": str(data_path), "max_length": 48, "batch_size": 4, "max_anchors": 8},
         "optim": {"lr": 3e-3, "warmup_ratio": 0.05, "total_steps": 20},
         "run": {"output_dir": str(output_dir), "save_every": 5, "keep_checkpoints": 2, "seed": 0},
         "pipeline": {"device": "cpu"},

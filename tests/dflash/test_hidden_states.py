@@ -10,7 +10,7 @@ from dflash.memory import peak_allocated_bytes
 
 
 def ragged_batch(lengths: list[int], max_len: int, hidden: int, n_layers: int, left_pad: bool,
-                 dtype: torch.dtype, seed: int):
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
     """n_layers + 1 random [B, max_len, H] tensors and an attention mask with the given row lengths."""
     generator = torch.Generator().manual_seed(seed)
     states = tuple(torch.randn(len(lengths), max_len, hidden, generator=generator).to(dtype)
@@ -47,7 +47,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lengths", "max_len", "left_pad"), CASES)
 def test_packed_equals_padded_bit_for_bit(lengths, max_len, left_pad, dtype):
-    states, mask = ragged_batch(lengths, max_len, hidden=12, n_layers=6, left_pad=left_pad, dtype=dtype, seed=1)
+    states, mask = ragged_batch(lengths, max_len, 12, 6, left_pad, dtype, seed=1)
     layer_ids = [0, 2, 5]
     packed = get_hidden_states_packed(states, layer_ids, mask)
     padded = get_hidden_states_padded(states, layer_ids, mask)
@@ -70,7 +70,7 @@ def test_packed_equals_padded_on_random_ragged_batches(seed):
     lengths = torch.randint(0, max_len + 1, (batch,), generator=g).tolist()
     left_pad = bool(seed % 2)
     dtype = (torch.float32, torch.bfloat16)[seed % 3 == 0]
-    states, mask = ragged_batch(lengths, max_len, hidden=8, n_layers=5, left_pad=left_pad, dtype=dtype, seed=seed)
+    states, mask = ragged_batch(lengths, max_len, 8, 5, left_pad, dtype, seed)
     layer_ids = [1, 2, 4]
     packed = get_hidden_states_packed(states, layer_ids, mask)
     assert torch.equal(packed.features, get_hidden_states_padded(states, layer_ids, mask).features)
@@ -78,7 +78,7 @@ def test_packed_equals_padded_on_random_ragged_batches(seed):
 
 
 def test_pack_gathers_token_tensors_like_the_features():
-    states, mask = ragged_batch([2, 4, 0], 5, hidden=4, n_layers=2, left_pad=True, dtype=torch.float32, seed=3)
+    states, mask = ragged_batch([2, 4, 0], 5, hidden=4, n_layers=2, left_pad=True)
     packed = get_hidden_states_packed(states, [0], mask)
     ids = torch.arange(15).view(3, 5)
     assert packed.pack(ids).tolist() == [3, 4, 6, 7, 8, 9]
@@ -95,7 +95,7 @@ def test_bad_layer_ids_and_mask_are_rejected():
 def test_packed_peak_memory_is_the_output_and_below_padded():
     # Half of B x Lmax is padding: padded peaks near (1 + B*Lmax/T) = 3x the output, packed near 1x.
     lengths = [64, 32, 16, 16]
-    states, mask = ragged_batch(lengths, 64, hidden=64, n_layers=6, left_pad=False, dtype=torch.float32, seed=0)
+    states, mask = ragged_batch(lengths, 64, hidden=64, n_layers=6, left_pad=False)
     layer_ids = [0, 1, 2, 3, 4]
     packed, packed_peak = peak_allocated_bytes(lambda: get_hidden_states_packed(states, layer_ids, mask))
     padded, padded_peak = peak_allocated_bytes(lambda: get_hidden_states_padded(states, layer_ids, mask))

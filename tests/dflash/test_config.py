@@ -1,0 +1,96 @@
+"""Config loading and `python -m dflash.config validate`: bad input fails with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.config import ConfigError, config_from_dict, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_good_config_loads_and_round_trips(tiny_config, tmp_path):
+    cfg = load_config(write(tmp_path, tiny_config(tmp_path / "run")))
+    assert cfg.model.block_size == 4 and cfg.optim.lr == pytest.approx(3e-3)
+    assert cfg.pipeline.is_multi_process is False
+    again = config_from_dict(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg
+
+
+def test_example_config_is_valid_apart_from_its_target():
+    load_config(REPO / "configs" / "tiny-cpu.yaml", check_target=False)
+
+
+@pytest.mark.parametrize(("section", "values", "message"), [
+    ("model", {"block_size": "16"}, "model.block_size: expected int, got '16'"),
+    ("model", {"block_size": 1}, "model.block_size: must be >= 2"),
+    ("model", {"dtype": "float16"}, "model.dtype: must be one of float32, bfloat16, got 'float16'"),
+    ("model", {"num_draft_layers": True}, "model.num_draft_layers: expected int, got True"),
+    ("model", {"target_layer_ids": [1, "x"]}, "model.target_layer_ids"),
+    ("model", {"blocksize": 8}, "model: unknown key(s) blocksize"),
+    ("optim", {"lr": "fast"}, "optim.lr: expected float, got 'fast'"),
+    ("optim", {"warmup_ratio": 1.5}, "optim.warmup_ratio: must be in [0, 1), got 1.5"),
+    ("run", {"resume": "yes"}, "run.resume: expected bool, got 'yes'"),
+    ("pipeline", {"device": "tpu"}, "pipeline.device: must be one of cpu, cuda"),
+    ("pipeline", {"target_gpus": [0, 1], "drafter_gpus": [1]}, "shares GPUs [1]"),
+])
+def test_bad_values_name_the_key_and_value(tiny_config, tmp_path, section, values, message):
+    raw = tiny_config(tmp_path / "run", **{section: values})
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, raw))
+    assert message in str(caught.value)
+
+
+def test_unknown_section_missing_section_and_missing_key(tiny_config, tmp_path):
+    raw = tiny_config(tmp_path / "run")
+    with pytest.raises(ConfigError, match="unknown section"):
+        config_from_dict({**raw, "extra": {}})
+    with pytest.raises(ConfigError, match="missing section data"):
+        config_from_dict({"model": raw["model"]})
+    del raw["model"]["target_path"]
+    with pytest.raises(ConfigError, match="model: missing required key"):
+        config_from_dict(raw)
+
+
+def test_layer_ids_out_of_range_and_missing_target(tiny_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"target_layer_ids: \[1, 4\] out of range .* 4 layers"):
+        load_config(write(tmp_path, tiny_config(tmp_path / "run", model={"target_layer_ids": [1, 4]})))
+    with pytest.raises(ConfigError, match="model.target_path: no model at"):
+        raw = tiny_config(tmp_path / "run", model={"target_path": str(tmp_path / "nope")})
+        load_config(write(tmp_path, raw))
+
+
+def validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.config", "validate", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_validate_cli_exit_codes_and_messages(tiny_config, tmp_path):
+    good = validate(write(tmp_path, tiny_config(tmp_path / "run")))
+    assert good.returncode == 0, good.stderr
+
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    no_target = tiny_config(tmp_path / "run", model={"target_path": str(tmp_path / "nope")})
+    bad = validate(write(bad_dir, no_target))
+    assert bad.returncode == 2
+    assert "model.target_path: no model at" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    (bad_dir / "broken.yaml").write_text("model: [unclosed\n")
+    broken = validate(bad_dir / "broken.yaml")
+    assert broken.returncode == 2 and "not valid YAML" in broken.stderr and "Traceback" not in broken.stderr
+
+    missing = validate(bad_dir / "absent.yaml")
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
