@@ -1,0 +1,52 @@
+"""Small helpers for the pvesim tests."""
+
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import time
+from pathlib import Path
+
+BIN = Path(__file__).resolve().parents[2] / "pvesim" / "bin"
+
+
+def load_script(name):
+    """Import one of pvesim's installed scripts (they have no .py suffix) as a module."""
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(BIN / name))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def in_ct(vmid, *argv):
+    """The node-side command line running argv in a container, quoted for the node's shell."""
+    return f"pct exec {vmid} -- {shlex.join(argv)}"
+
+
+def wait_for(predicate, timeout_s=10.0, interval_s=0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def host_pid(init_pid, container_pid):
+    """The host pid of a container process: same PID namespace as the container's init, NSpid ending
+    with the pid the container sees."""
+    pidns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != pidns:
+                continue
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+        if nspid[-1] == str(container_pid):
+            return int(entry)
+    return None
