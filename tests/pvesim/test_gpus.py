@@ -1,0 +1,89 @@
+"""Simulated GPUs in real containers: held by live processes through CUDA_VISIBLE_DEVICES, host PIDs."""
+
+import re
+
+import pytest
+from simtools import host_pid, in_ct, wait_for
+
+from pvesim import container, node
+
+pytestmark = pytest.mark.sim
+
+APPS = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"]
+MEMORY = ["nvidia-smi", "--query-gpu=index,memory.used,utilization.gpu", "--format=csv,noheader,nounits"]
+
+
+def start_in_ct(sim, node_name, vmid, script):
+    """Start a background shell script in a container; return (container pid, host pid)."""
+    res = sim.ssh(node_name, in_ct(vmid, "/bin/sh", "-c", f"{script} >/dev/null 2>&1 & echo $!"))
+    assert res.returncode == 0, res.stderr
+    ct_pid = int(res.stdout)
+    init = container.init_pid(node.NodeFiles(sim.state_dir, node_name), vmid)
+    return ct_pid, host_pid(init, ct_pid)
+
+
+def uuids(sim, node_name, vmid):
+    out = sim.ssh(node_name, in_ct(vmid, "nvidia-smi", "-L")).stdout
+    return re.findall(r"\(UUID: (GPU-[0-9a-f-]+)\)", out)
+
+
+def test_list_gpus_format(sim):
+    out = sim.ssh("pve1", in_ct(200, "nvidia-smi", "-L")).stdout.splitlines()
+    assert len(out) == 8
+    uuid = r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}"
+    for i, line in enumerate(out):
+        assert re.fullmatch(rf"GPU {i}: NVIDIA H200 \(UUID: {uuid}\)", line), line
+    assert uuids(sim, "pve1", 200) == uuids(sim, "pve1", 201)  # one node, the same physical GPUs
+    assert uuids(sim, "pve1", 200) != uuids(sim, "pve2", 202)
+
+
+def test_a_process_holds_gpu0_while_it_runs_with_its_host_pid(sim):
+    gpu0 = uuids(sim, "pve1", 200)[0]
+    holder = "CUDA_VISIBLE_DEVICES=0 PVESIM_GPU_MEMORY_MIB=3000 exec sleep 60"
+    ct_pid, pid = start_in_ct(sim, "pve1", 200, holder)
+    assert pid and pid != ct_pid  # the host sees another pid than the container
+    try:
+        assert sim.ssh("pve1", in_ct(200, *APPS)).stdout == f"{pid}, {gpu0}, 3000\n"
+        memory = sim.ssh("pve1", in_ct(200, *MEMORY)).stdout.splitlines()
+        assert memory[0] == "0, 3000, 100"
+        assert memory[1:] == [f"{i}, 0, 0" for i in range(1, 8)]
+        # CT 201 shares the node's GPUs but runs nothing: it sees no process of CT 200.
+        assert sim.ssh("pve1", in_ct(201, *APPS)).stdout == ""
+        # On the node, nvidia-smi shows every container's processes; the pid maps to CT 200 by cgroup.
+        assert f"{pid}, {gpu0}, 3000" in sim.ssh("pve1", " ".join(APPS)).stdout
+        assert "/lxc/200/" in open(f"/proc/{pid}/cgroup").read()
+        assert str(pid) not in sim.ssh("pve2", " ".join(APPS)).stdout
+    finally:
+        sim.ssh("pve1", in_ct(200, "kill", str(ct_pid)))
+    assert wait_for(lambda: sim.ssh("pve1", in_ct(200, *APPS)).stdout == "")
+    assert sim.ssh("pve1", in_ct(200, *MEMORY)).stdout.splitlines()[0] == "0, 0, 0"
+
+
+def test_a_zombie_holds_no_gpu(sim):
+    # The parent (without CUDA_VISIBLE_DEVICES) never waits for its child, which holds GPU 1 and exits.
+    parent = ("exec python3 -c \"import subprocess, time; "
+              "subprocess.Popen(['sleep', '0.2'], env={'CUDA_VISIBLE_DEVICES': '1'}); time.sleep(60)\"")
+    ct_pid, _ = start_in_ct(sim, "pve2", 202, parent)
+    try:
+        def zombie_present():
+            states = sim.ssh("pve2", in_ct(202, "ps", "-o", "stat=", "--ppid", str(ct_pid))).stdout.split()
+            return states and all(s.startswith("Z") for s in states)
+        assert wait_for(zombie_present)
+        assert sim.ssh("pve2", in_ct(202, *APPS)).stdout == ""
+        assert sim.ssh("pve2", in_ct(202, *MEMORY)).stdout.splitlines()[1] == "1, 0, 0"
+    finally:
+        sim.ssh("pve2", in_ct(202, "kill", str(ct_pid)))
+
+
+def test_query_gpu_with_header_and_units(sim):
+    out = sim.ssh("pve2", in_ct(203, "nvidia-smi", "--query-gpu=index,uuid,name,memory.used,memory.total,"
+                                "utilization.gpu", "--format=csv")).stdout.splitlines()
+    assert out[0] == "index, uuid, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%]"
+    assert re.fullmatch(r"7, GPU-[0-9a-f-]{36}, NVIDIA H200, 0 MiB, 143771 MiB, 0 %", out[8])
+
+
+def test_without_gpus_no_devices_are_found(sim_factory):
+    bare = sim_factory(nodes=1, containers=(300,), gpus=0)
+    res = bare.ssh("pve1", in_ct(300, "nvidia-smi", "-L"))
+    assert (res.returncode, res.stdout) == (6, "No devices were found\n")
+    assert "dev0:" not in bare.ssh("pve1", "pct config 300").stdout

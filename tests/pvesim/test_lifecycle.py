@@ -1,0 +1,111 @@
+"""up is idempotent, down leaves nothing behind (also after a crash), sims run side by side."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import pvesim
+from pvesim import container, host, node, procs
+from pvesim import sim as sim_module
+
+pytestmark = pytest.mark.sim
+
+
+def started_pids(s):
+    """(pid, start time) of everything the sim runs: each node's sshd, each container's init and monitor."""
+    pids = []
+    for n in s.nodes:
+        pids.append((n.sshd_pid, n.sshd_started))
+        files = node.NodeFiles(s.state_dir, n.name)
+        for vmid in n.containers:
+            init = container.init_pid(files, vmid)
+            monitor = int(open(f"/proc/{init}/stat").read().rpartition(")")[2].split()[1])
+            pids += [(init, procs.start_time(init)), (monitor, procs.start_time(monitor))]
+    return pids
+
+
+def test_up_twice_is_a_no_op(sim_factory):
+    first = sim_factory(nodes=1, containers=(310, 311), gpus=2)
+    before = started_pids(first)
+    state = (first.state_dir / "sim.json").read_text()
+    again = pvesim.up(nodes=1, containers=(310, 311), gpus=2, state_dir=first.state_dir,
+                      inventory=first.inventory_path)
+    assert started_pids(again) == before
+    assert (first.state_dir / "sim.json").read_text() == state
+    with pytest.raises(pvesim.SimError, match="another layout"):
+        pvesim.up(nodes=1, containers=(310,), gpus=2, state_dir=first.state_dir,
+                  inventory=first.inventory_path)
+
+
+def test_up_restarts_a_stopped_container(sim_factory):
+    s = sim_factory(nodes=1, containers=(320,), gpus=1)
+    assert s.ssh("pve1", "pct stop 320").returncode == 0
+    pvesim.up(nodes=1, containers=(320,), gpus=1, state_dir=s.state_dir, inventory=s.inventory_path)
+    assert s.ssh("pve1", "pct status 320").stdout == "status: running\n"
+
+
+def test_down_leaves_no_process_container_or_file(sim, tmp_path):
+    s = pvesim.up(nodes=2, containers=(330, 331), gpus=1, state_dir=tmp_path / "state",
+                  inventory=tmp_path / "hosts.yml")
+    pids = started_pids(s)
+    # A session left open on a node (like Ansible's ControlPersist) must not outlive down either.
+    session = subprocess.Popen([*s.ssh_argv("pve1"), "sleep 600"], stdin=subprocess.DEVNULL)
+    try:
+        assert all(procs.is_alive(p, st) for p, st in pids)
+        pvesim.down(s.state_dir)
+        assert [p for p, st in pids if procs.is_alive(p, st)] == []
+        assert session.wait(timeout=10) != 0
+    finally:
+        session.kill()
+    assert not s.state_dir.exists() and not s.inventory_path.exists()
+    assert str(s.state_dir) not in host.SYSTEM_KNOWN_HOSTS.read_text()
+    assert not list(d / f"pvesim-{s.tag}" for d in host.Path("/sys/fs/cgroup").iterdir()
+                     if (d / f"pvesim-{s.tag}").exists())
+    # The session sim is still up, so the shared pct stays installed and keeps working.
+    assert host.PCT_PATH.exists()
+    assert sim.ssh("pve1", "pct status 200").stdout == "status: running\n"
+
+
+def test_down_cleans_up_after_an_up_that_crashed_half_way(tmp_path, monkeypatch):
+    def crash(*args):
+        raise KeyboardInterrupt("killed half-way")
+
+    # The first node's sshd runs when writing the second node's containers fails, and the process
+    # "dies" before its own cleanup: only what the state dir recorded is left to find.
+    monkeypatch.setattr(sim_module, "_down_locked", lambda state_dir: None)
+    real_write = container.write_container
+
+    def write_or_crash(files, tag, vmid, gpus):
+        return crash() if vmid == 341 else real_write(files, tag, vmid, gpus)
+
+    monkeypatch.setattr(container, "write_container", write_or_crash)
+    with pytest.raises(KeyboardInterrupt):
+        pvesim.up(nodes=2, containers=(340, 341), gpus=1, state_dir=tmp_path / "state",
+                  inventory=tmp_path / "hosts.yml")
+    monkeypatch.undo()
+    recorded = json.loads((tmp_path / "state" / "sim.json").read_text())
+    sshd = [(n["sshd_pid"], n["sshd_started"]) for n in recorded["nodes"] if n["sshd_pid"]]
+    assert sshd and all(procs.is_alive(p, st) for p, st in sshd)
+
+    pvesim.down(tmp_path / "state")
+
+    assert not any(procs.is_alive(p, st) for p, st in sshd)
+    assert not (tmp_path / "state").exists()
+
+
+def test_cli_help_errors_and_status(sim):
+    run = [sys.executable, "-m", "pvesim"]
+    assert subprocess.run([*run, "--help"], capture_output=True).returncode == 0
+    for bad, message in ((["up", "--containers", "abc"], "expected container ids"),
+                         (["up", "--gpus", "99", "--state-dir", "/tmp/pvesim-never"], "--gpus must be"),
+                         (["up", "--containers", "5", "--state-dir", "/tmp/pvesim-never"], "from 100 to"),
+                         (["status", "--state-dir", "/tmp/pvesim-never"], "no pvesim is up")):
+        res = subprocess.run([*run, *bad], capture_output=True, text=True, cwd=sim_module.REPO_ROOT)
+        assert res.returncode == 2, (bad, res.stderr)
+        assert message in res.stderr and "Traceback" not in res.stderr
+    out = subprocess.run([*run, "status", "--state-dir", str(sim.state_dir)], capture_output=True,
+                         text=True).stdout
+    assert f"pve2   {sim.node('pve2').address}:{sim.node('pve2').port}" in out
+    assert "CT 203      running" in out
