@@ -1,4 +1,5 @@
-"""Helpers shared by the tests of the modules in library/.
+"""Helpers shared by the tests of the modules in library/ (a plain module: tests/conftest.py owns
+the name conftest).
 
 Unit tests import the modules' pure helpers directly; the other tests run the modules for real,
 either as a program (the way Ansible runs a module: a JSON file of arguments, JSON on stdout) or
@@ -43,7 +44,7 @@ def run_module(name, args, env=None, timeout=60):
         pytest.fail(f"{name} printed no JSON (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def run_ansible(module, args, env=None, timeout=120, host="localhost", inventory="localhost,",
+def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory="localhost,",
                 extra=()):
     """Run one module through the `ansible` ad-hoc command; returns that host's result."""
     command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-M", str(LIBRARY), "-m", module,
@@ -105,10 +106,3 @@ class Processes:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def processes():
-    started = Processes()
-    yield started
-    started.cleanup()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LIBRARY, alive, run_ansible, run_module, wait_for
+from module_runner import LIBRARY, alive, ansible_module, run_module, wait_for
 
 FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
 
@@ -160,8 +160,8 @@ def test_a_run_that_ignores_sigterm_is_killed_after_stop_timeout(run, tmp_path):
 
 
 def test_children_that_left_the_group_are_stopped_too(run):
-    pid = run.start("--escaped-child", str(run.dir / "escaped"), "--group-child", str(run.dir / "member"))
-    pid = pid["pid"]
+    started = run.start("--escaped-child", str(run.dir / "escaped"), "--group-child", str(run.dir / "member"))
+    pid = started["pid"]
     escaped, member = run.child_pid("escaped"), run.child_pid("member")
     assert os.getpgid(escaped) != pid and os.getpgid(member) == pid
     result, rc = run.call(state="stopped", stop_timeout=10)
@@ -279,10 +279,10 @@ def test_a_pidfile_it_did_not_write_is_left_alone(run):
 @pytest.mark.slow
 def test_through_ansible(run):
     """The same module through the `ansible` command (AnsiballZ, local connection)."""
-    start = run_ansible("training_run", run.args(command=[sys.executable, FAKE_RUN]))
+    start = ansible_module("training_run", run.args(command=[sys.executable, FAKE_RUN]))
     assert start.get("changed") is True, start
     run.processes.track(start["pid"])
-    status = run_ansible("training_run", run.args(state="status"))
+    status = ansible_module("training_run", run.args(state="status"))
     assert status["status"] == "running" and status["pid"] == start["pid"]
-    stop = run_ansible("training_run", run.args(state="stopped"))
+    stop = ansible_module("training_run", run.args(state="stopped"))
     assert stop["how"] == "terminated" and not alive(start["pid"])
