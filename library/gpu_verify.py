@@ -140,6 +140,15 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 
+ARGUMENT_SPEC = dict(
+    expect=dict(type="str", default="any", choices=["idle", "busy", "present", "any"]),
+    gpus=dict(type="list", elements="int"),
+    max_memory_mib=dict(type="int", default=100),
+    count=dict(type="int"),
+    timeout=dict(type="float", default=0),
+    interval=dict(type="float", default=2),
+    executable=dict(type="str", default="nvidia-smi"),
+)
 GPU_QUERY = "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu"
 APPS_QUERY = "--query-compute-apps=pid,gpu_uuid,used_memory"
 CSV_FORMAT = "--format=csv,noheader,nounits"
@@ -416,18 +425,7 @@ def find_executable(name):
 
 
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            expect=dict(type="str", default="any", choices=["idle", "busy", "present", "any"]),
-            gpus=dict(type="list", elements="int"),
-            max_memory_mib=dict(type="int", default=100),
-            count=dict(type="int"),
-            timeout=dict(type="float", default=0),
-            interval=dict(type="float", default=2),
-            executable=dict(type="str", default="nvidia-smi"),
-        ),
-        supports_check_mode=True,
-    )
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     p = module.params
     for key, minimum in (("max_memory_mib", 0), ("count", 0), ("timeout", 0), ("interval", 0.1)):
         if p[key] is not None and p[key] < minimum:

@@ -171,6 +171,20 @@ LOG_TAIL_BYTES = 4096
 BY_HAND = "; inspect it and remove it by hand"
 
 
+ARGUMENT_SPEC = dict(
+    name=dict(type="str", required=True),
+    state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
+    pidfile=dict(type="path"),
+    command=dict(type="list", elements="str"),
+    chdir=dict(type="path"),
+    environment=dict(type="dict", default={}),
+    log_path=dict(type="path"),
+    stop_timeout=dict(type="float", default=120),
+    kill_timeout=dict(type="float", default=10),
+    startup_wait=dict(type="float", default=1),
+)
+
+
 class ProcStat(NamedTuple):
     state: str
     ppid: int
@@ -585,18 +599,7 @@ def pidfile_lock(pidfile, enabled):
 
 def main():
     module = AnsibleModule(
-        argument_spec=dict(
-            name=dict(type="str", required=True),
-            state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
-            pidfile=dict(type="path"),
-            command=dict(type="list", elements="str"),
-            chdir=dict(type="path"),
-            environment=dict(type="dict", default={}),
-            log_path=dict(type="path"),
-            stop_timeout=dict(type="float", default=120),
-            kill_timeout=dict(type="float", default=10),
-            startup_wait=dict(type="float", default=1),
-        ),
+        argument_spec=ARGUMENT_SPEC,
         required_if=[("state", "started", ["command"]), ("state", "restarted", ["command"])],
         supports_check_mode=True,
     )
