@@ -1,0 +1,53 @@
+"""Run every benchmark with its default sizes: `python -m benchmarks [--only NAME ...]`.
+
+Each benchmark is a script that prints a human table and, as its last line, one JSON object with
+its figures. This runner starts each in its own process (so one's memory and threads cannot skew
+another's), streams its output, and keeps the JSON line in `benchmarks/results/<name>.json`.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ORDER = ("hidden_states", "pipeline", "restart_cycle", "fleet")
+
+
+def run_one(name: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, str(HERE / f"{name}.py"), *extra]
+    print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+    last = ""
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if line.strip():
+            last = line
+    if proc.wait() != 0:
+        raise SystemExit(f"benchmark {name} failed with exit status {proc.returncode}")
+    try:
+        figures = json.loads(last)
+    except json.JSONDecodeError:
+        raise SystemExit(f"benchmark {name} did not end with a JSON line: {last!r}") from None
+    figures["_wall_s"] = round(time.monotonic() - started, 1)
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    return figures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=ORDER, help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    for name in args.only or ORDER:
+        run_one(name, [])
+    print(f"\nfigures written to {HERE / 'results'}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
