@@ -330,6 +330,9 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
          seconds=round(time.monotonic() - started, 1))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its bar would go to the log as noise
     model.save_pretrained(out_dir / "target")
     tokenizer.save_pretrained(out_dir / "target")
 
@@ -340,7 +343,8 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
         write_jsonl(out_dir / "data" / f"{name}.jsonl", prompts, responses)
     config_path = write_config(out_dir, spec)
     seconds = round(time.monotonic() - started, 1)
-    (out_dir / "demo.json").write_text(json.dumps({"build": _cache_record(spec), "seconds": seconds}, indent=1))
+    record = {"build": _cache_record(spec), "seconds": seconds}
+    (out_dir / "demo.json").write_text(json.dumps(record, indent=1))
     _log("demo_ready", dir=str(out_dir), config=str(config_path), seconds=seconds)
     return config_path
 
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {"train_steps": args.target_steps, "num_train": args.num_train, "seed": args.seed}
     try:
-        spec = dataclasses.replace(PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None})
+        chosen = {key: value for key, value in overrides.items() if value is not None}
+        spec = dataclasses.replace(PRESETS[args.preset], **chosen)
         prepare(args.dir, spec, threads=args.threads)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

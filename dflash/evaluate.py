@@ -140,7 +140,8 @@ def target_proposer(target: nn.Module, block_size: int) -> Proposer:
         tokens = list(sequence)
         for _ in range(block_size - 1):
             ids = torch.tensor([tokens], dtype=torch.long, device=target.device)
-            tokens.append(int(target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].argmax()))
+            logits = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+            tokens.append(int(logits[0, -1].argmax()))
         return tokens[len(sequence):]
 
     return propose
@@ -153,7 +154,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise FileNotFoundError(f"no checkpoint at {path} (neither a step directory nor a run with checkpoints)")
+        raise FileNotFoundError(f"no checkpoint at {path} "
+                                "(neither a step directory nor a run's output directory with checkpoints)")
     return latest
 
 
@@ -197,7 +199,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
         for i, prompt in enumerate(prompts):
             speculative_decode(target, propose, prompt, layer_ids, block_size, max_new_tokens, eos, stats)
             if progress:
-                print(f"\r{name}: prompt {i + 1}/{len(prompts)}  tau {stats.tau:.2f}", end="", file=sys.stderr)
+                print(f"\r{name}: prompt {i + 1}/{len(prompts)}  tau {stats.tau:.2f}", end="",
+                      file=sys.stderr)
         if progress:
             print(file=sys.stderr)
         rows.append(stats.as_dict())
@@ -205,11 +208,13 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
 
 
 def format_table(rows: list[dict], block_size: int) -> str:
-    head = f"{'proposer':<20} {'tau':>6} {'steps':>6} {'tokens':>7}  acceptance by draft position 1..{block_size - 1}"
+    head = (f"{'proposer':<20} {'tau':>6} {'steps':>6} {'tokens':>7}  "
+            f"acceptance by draft position 1..{block_size - 1}")
     lines = [head, "-" * len(head)]
     for row in rows:
         rates = " ".join(f"{r:.2f}" for r in row["acceptance_by_position"])
-        lines.append(f"{row['name']:<20} {row['tau']:>6.2f} {row['verify_steps']:>6} {row['generated_tokens']:>7}  {rates}")
+        lines.append(f"{row['name']:<20} {row['tau']:>6.2f} {row['verify_steps']:>6} "
+                     f"{row['generated_tokens']:>7}  {rates}")
     return "\n".join(lines)
 
 
@@ -219,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         description="Mean acceptance length (tau) of a drafter under greedy speculative decoding.",
     )
     parser.add_argument("--config", required=True, help="the training config (YAML)")
-    parser.add_argument("--checkpoint", help="a checkpoint directory, or a run's output directory (its latest); "
-                                             "without it only the reference rows are computed")
+    parser.add_argument("--checkpoint", help="a checkpoint directory, or a run's output directory (its "
+                                             "latest); without it only the reference rows are computed")
     parser.add_argument("--data", help="held-out JSON lines (default: eval.jsonl next to data.path)")
     parser.add_argument("--num-prompts", type=int, help="evaluate only the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    parser.add_argument("--no-target-row", action="store_true", help="skip the target-as-drafter reference row")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to generate per prompt (default 64)")
+    parser.add_argument("--no-target-row", action="store_true",
+                        help="skip the target-as-drafter reference row")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)

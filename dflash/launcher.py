@@ -88,12 +88,13 @@ def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSp
             raise ConfigError("pipeline: target_gpus/drafter_gpus need device cuda; "
                               "on cpu use target_workers and drafter_workers")
         if pipeline.target_workers < 1 or pipeline.drafter_workers < 1:
-            raise ConfigError(f"pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers >= 1, got "
-                              f"{pipeline.target_workers} and {pipeline.drafter_workers}")
+            raise ConfigError("pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers >= 1, "
+                              f"got {pipeline.target_workers} and {pipeline.drafter_workers}")
         targets = [()] * pipeline.target_workers
         drafters = [()] * pipeline.drafter_workers
     specs = [WorkerSpec(f"drafter{i}", "drafter", i, i, gpus) for i, gpus in enumerate(drafters)]
-    specs += [WorkerSpec(f"target{i}", "target", i, len(drafters) + i, gpus) for i, gpus in enumerate(targets)]
+    first_target = len(drafters)
+    specs += [WorkerSpec(f"target{i}", "target", i, first_target + i, gpus) for i, gpus in enumerate(targets)]
     return specs
 
 
@@ -132,7 +133,8 @@ class Worker:
     spec: WorkerSpec
     process: subprocess.Popen
     state: str = "starting"
-    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    stderr_tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -263,9 +265,11 @@ class Launcher:
             worker.state = "exited" if code == 0 else "failed"
             self.emit("worker_exit", worker=worker.spec.name, pid=worker.process.pid, returncode=code)
             if code != 0 and self.failure is None:
-                tail = "\n".join(worker.stderr_tail)
-                self.failure = f"worker {worker.spec.name} (pid {worker.process.pid}) failed with {_describe_exit(code)}"
-                self.emit("error", worker=worker.spec.name, message=self.failure, stderr_tail=tail)
+                last_error = next((line for line in reversed(worker.stderr_tail) if line.strip()), "")
+                self.failure = (f"worker {worker.spec.name} (pid {worker.process.pid}) failed with "
+                                f"{_describe_exit(code)}: {last_error or 'no error output'}")
+                self.emit("error", worker=worker.spec.name, message=self.failure,
+                          stderr_tail="\n".join(worker.stderr_tail))
                 self.signal_workers(signal.SIGTERM)
                 self.kill_deadline = time.monotonic() + FAILURE_GRACE_S
             self.update_status()
@@ -294,6 +298,8 @@ class Launcher:
             time.sleep(POLL_INTERVAL_S)
         if self.failure:
             self.update_status(state="failed")
+            self.emit("exit", returncode=1, error=self.failure)
+            print(f"dflash.train: {self.failure}", file=sys.stderr)
             return 1
         self.update_status(state="stopped")
         self.emit("exit", returncode=0)

@@ -151,7 +151,8 @@ def recv_batch(src: int, device: torch.device) -> dict | None:
 class BatchFeed:
     """A drafter's incoming batches: a receiving thread filling a bounded queue, in schedule order."""
 
-    def __init__(self, ctx: WorkerContext, first_batch: int, end_batch: int, depth: int, device: torch.device):
+    def __init__(self, ctx: WorkerContext, first_batch: int, end_batch: int, depth: int,
+                 device: torch.device):
         self.ctx, self.device = ctx, device
         self.schedule = [i for i in range(first_batch, end_batch)
                          if ctx.drafter_rank(i, ctx.num_drafters) == ctx.role_rank]

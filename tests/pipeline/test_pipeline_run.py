@@ -1,0 +1,89 @@
+"""The multi-process pipeline on CPU: 2 target workers feed 1 drafter worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from dflash.checkpoint import latest_checkpoint, load_checkpoint
+
+PIPELINE = {"target_workers": 2, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2}
+
+
+def step_losses(events: list[dict]) -> list[float]:
+    return [e["loss"] for e in events if e["event"] == "step"]
+
+
+@pytest.mark.slow
+def test_pipeline_losses_equal_the_single_process_trainer(write_config, start_run):
+    steps = 12
+    single = start_run(write_config("single", optim={"total_steps": steps}))
+    assert single.wait(timeout=240) == 0, single.log_path.read_text()[-3000:]
+    pipeline = start_run(write_config("pipeline", optim={"total_steps": steps}, pipeline=PIPELINE))
+    assert pipeline.wait(timeout=240) == 0, pipeline.log_path.read_text()[-3000:]
+
+    expected, got = step_losses(single.events()), step_losses(pipeline.events())
+    assert len(got) == steps
+    # Same batches, same target features (sent through gloo unchanged), same init and anchor RNG.
+    assert got == expected
+    assert sum(got[-3:]) / 3 < sum(got[:3]) / 3 - 0.3, got
+
+    status = pipeline.status()
+    assert status["state"] == "stopped" and status["step"] == steps
+    assert status["loss"] == got[-1]
+    assert set(status["workers"]) == {"drafter0", "target0", "target1"}
+    assert all(w["state"] == "exited" for w in status["workers"].values())
+    # The drafter's final checkpoint holds the same weights as the single-process run's.
+    ours, theirs = latest_checkpoint(pipeline.output_dir), latest_checkpoint(single.output_dir)
+    assert ours.name == theirs.name == f"step-{steps:08d}"
+    ours_weights, theirs_weights = load_checkpoint(ours)[0], load_checkpoint(theirs)[0]
+    assert all((ours_weights[k] == theirs_weights[k]).all() for k in theirs_weights)
+    assert not pipeline.group_alive()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_config, start_run, pid_alive):
+    run = start_run(write_config("term", optim={"total_steps": 10_000}, run={"step_delay": 0.05},
+                                 pipeline=PIPELINE))
+    # status.json follows the run: the launcher's pid, each worker running with its pid, the step.
+    status = run.wait_for(lambda s: s["step"] >= 3 and s["state"] == "running"
+                          and all(w["state"] == "running" for w in s["workers"].values()), timeout=180)
+    assert status["pid"] == run.process.pid
+    worker_pids = [w["pid"] for w in status["workers"].values()]
+    assert len(worker_pids) == 3 and all(pid_alive(pid) for pid in worker_pids)
+    later = run.wait_for(lambda s: s["step"] > status["step"], timeout=60)
+    assert later["loss"] is not None and later["tokens_per_s"] > 0
+
+    os.killpg(run.pgid, signal.SIGTERM)
+    assert run.wait(timeout=120) == 0, run.log_path.read_text()[-3000:]
+    final = run.status()
+    assert final["state"] == "stopped"
+    assert final["last_checkpoint"].endswith(f"step-{final['step']:08d}")
+    assert latest_checkpoint(run.output_dir).name == f"step-{final['step']:08d}"
+    events = run.events()
+    names = [(e["event"], e.get("worker")) for e in events]
+    # The drafter checkpoints before it reports its stop; every worker exits with status 0.
+    assert names.index(("checkpoint", "drafter0")) < names.index(("stop", "drafter0"))
+    assert sorted(e["worker"] for e in events if e["event"] == "worker_exit" and e["returncode"] == 0) == [
+        "drafter0", "target0", "target1"]
+    time.sleep(0.2)
+    assert not any(pid_alive(pid) for pid in worker_pids)
+    assert not run.group_alive()
+
+
+@pytest.mark.slow
+def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
+    run = start_run(write_config("crash", optim={"total_steps": 10_000}, pipeline=PIPELINE),
+                    env={"DFLASH_TEST_FAIL_AT": "target1:3", "DFLASH_FAILURE_GRACE_S": "5"})
+    started = time.monotonic()
+    assert run.wait(timeout=180) == 1
+    log = run.log_path.read_text()
+    assert "injected failure in target1 at 3" in log
+    errors = [e for e in run.events() if e["event"] == "error" and "worker target1" in e.get("message", "")]
+    assert errors and "injected failure" in errors[0]["message"]
+    assert run.status()["state"] == "failed"
+    assert not run.group_alive()
+    assert time.monotonic() - started < 170
