@@ -5,9 +5,12 @@ The drafter needs only the T real tokens, concatenated over the k selected layer
 
 - `get_hidden_states_padded` is the obvious reference: concatenate to `[B, Lmax, k*H]`, then strip
   the padding with a boolean index (a second copy). Peak ~ (1 + B*Lmax/T) x the output.
-- `get_hidden_states_packed` gathers each layer's real tokens straight into its column slice of a
-  preallocated `[T, k*H]` output (`index_select(..., out=slice)` writes through the strided view
-  without a temporary), so the padded concatenation never exists. Peak ~ 1 x the output.
+- `get_hidden_states_packed` copies each layer's real tokens straight into its column slice of a
+  preallocated `[T, k*H]` output, so the padded concatenation never exists. Peak ~ 1 x the output.
+  On CPU, when every row's real tokens are one run (left or right padding), it copies row slices
+  (B*k strided copies, the fastest CPU path); otherwise, and always on GPU (one kernel per layer,
+  no host sync), `index_select(..., out=column_view)` gathers through the strided view without a
+  temporary.
 
 Both copy the same values into the same places, so the results are bit-identical in any dtype.
 The packed metadata follows the varlen-attention convention: `cu_seqlens` `[B+1]` int32 (document
@@ -71,6 +74,20 @@ def packing_metadata(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     return cu_seqlens, position_ids, token_index
 
 
+def _row_runs(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(first real column, length, packed offset) per row when each row's real tokens are one
+    contiguous run; None when some row has a hole."""
+    mask = attention_mask.to(torch.bool)
+    lengths = mask.sum(dim=1)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask, columns, mask.shape[1]).min(dim=1).values
+    last = torch.where(mask, columns, -1).max(dim=1).values
+    if not bool(((last - first + 1 == lengths) | (lengths == 0)).all()):
+        return None
+    offsets = torch.cumsum(lengths, dim=0) - lengths
+    return list(zip(first.tolist(), lengths.tolist(), offsets.tolist(), strict=True))
+
+
 def get_hidden_states_packed(
     hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int], attention_mask: torch.Tensor
 ) -> PackedHiddenStates:
@@ -81,9 +98,15 @@ def get_hidden_states_packed(
     cu_seqlens, position_ids, token_index = packing_metadata(attention_mask)
     n_tokens = token_index.numel()
     features = selected[0].new_empty(n_tokens, len(selected), hidden)
-    for i, layer in enumerate(selected):
-        # Writes through the strided column view: no [T, H] temporary, no [B, Lmax, k*H] tensor.
-        torch.index_select(layer.reshape(batch * max_len, hidden), 0, token_index, out=features[:, i])
+    runs = _row_runs(attention_mask) if features.device.type == "cpu" else None
+    if runs is not None:
+        for row, (first, length, offset) in enumerate(runs):
+            for i, layer in enumerate(selected):
+                features[offset: offset + length, i].copy_(layer[row, first: first + length])
+    else:
+        for i, layer in enumerate(selected):
+            # Writes through the strided column view: no [T, H] temporary, no [B, Lmax, k*H] tensor.
+            torch.index_select(layer.reshape(batch * max_len, hidden), 0, token_index, out=features[:, i])
     return PackedHiddenStates(features.view(n_tokens, len(selected) * hidden), cu_seqlens, position_ids,
                               token_index)
 

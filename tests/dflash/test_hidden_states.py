@@ -77,6 +77,16 @@ def test_packed_equals_padded_on_random_ragged_batches(seed):
     assert torch.equal(packed.features, per_row_reference(states, layer_ids, mask))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_with_holes_take_the_gather_path_and_still_match(dtype):
+    states, _ = ragged_batch([1, 1, 1], 6, hidden=8, n_layers=4, left_pad=False, dtype=dtype)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 0]])
+    packed = get_hidden_states_packed(states, [3, 0], mask)
+    assert torch.equal(packed.features, get_hidden_states_padded(states, [3, 0], mask).features)
+    assert torch.equal(packed.features, per_row_reference(states, [3, 0], mask))
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
 def test_pack_gathers_token_tensors_like_the_features():
     states, mask = ragged_batch([2, 4, 0], 5, hidden=4, n_layers=2, left_pad=True)
     packed = get_hidden_states_packed(states, [0], mask)
