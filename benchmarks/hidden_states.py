@@ -197,7 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per path (best of)")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: steadier figures on a shared machine)")
     parser.add_argument("--plot", type=Path, default=PLOT_PATH, help="where to write the PNG plot")
     parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
     args = parser.parse_args(argv)

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash.model import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
@@ -111,3 +114,14 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     meta = json.loads((path / "meta.json").read_text())
     return model_state, trainer_state, meta
+
+
+def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
+    """The drafter saved in checkpoint `path`, around `target`'s frozen embedding and lm_head, in
+    eval mode and the target's dtype and device; with the target layer ids it was trained on."""
+    model_state, _, meta = load_checkpoint(path)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    drafter = DFlashDrafter(DrafterConfig(**meta["drafter_config"]), embed, head)
+    drafter.load_trainable_state_dict(model_state)
+    drafter.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
+    return drafter, list(meta["layer_ids"])

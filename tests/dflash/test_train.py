@@ -15,9 +15,10 @@ import torch
 import yaml
 
 from dflash import checkpoint
-from dflash.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from dflash.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
 from dflash.config import config_from_dict
 from dflash.runtime import StopSignal
+from dflash.target import load_target
 from dflash.train import run_single_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,6 +115,18 @@ def test_checkpoints_keep_the_latest_k_and_record_status(tiny_config, tmp_path, 
     assert set(final) >= {"loss", "accuracy", "tokens_per_s", "pid", "updated_at", "workers"}
     step = next(r for r in records if r["event"] == "step")
     assert set(step) >= {"step", "loss", "accuracy", "lr", "tokens_per_s"}
+
+
+def test_load_drafter_restores_the_saved_weights(tiny_config, tiny_target, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _ = train_in_process(tiny_config(out, optim={"total_steps": 3}), capsys)
+    assert code == 0
+    drafter, layer_ids = load_drafter(latest_checkpoint(out), load_target(tiny_target))
+    saved, _, meta = load_checkpoint(latest_checkpoint(out))
+    assert layer_ids == meta["layer_ids"] == [2]
+    assert not drafter.training
+    for name, value in drafter.trainable_state_dict().items():
+        assert torch.equal(value, saved[name]), name
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint(tiny_config, tmp_path, capsys, monkeypatch):
