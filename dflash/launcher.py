@@ -62,7 +62,8 @@ def visible_gpu_count() -> int:
 
 
 def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
-    """The workers of a layout, or ConfigError when the layout cannot run here."""
+    """The workers of a layout, or ConfigError when the layout cannot run here. (Overlapping
+    target and drafter GPUs are already refused by PipelineConfig.)"""
     if pipeline.device == "cuda":
         if pipeline.target_workers or pipeline.drafter_workers:
             raise ConfigError("pipeline: target_workers/drafter_workers are for device cpu; "
@@ -78,9 +79,6 @@ def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSp
             if beyond:
                 raise ConfigError(f"pipeline.{key}: GPUs {beyond} do not exist here "
                                   f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
-        overlap = sorted(set(pipeline.target_gpus) & set(pipeline.drafter_gpus))
-        if overlap:
-            raise ConfigError(f"pipeline: GPUs {overlap} are in both target_gpus and drafter_gpus")
         targets = [(g,) for g in pipeline.target_gpus]
         drafters = [(g,) for g in pipeline.drafter_gpus]
     else:

@@ -78,8 +78,8 @@ class TrainProcess:
             if status is not None and predicate(status):
                 return status
             if self.process.poll() is not None:
-                raise AssertionError(f"the run exited ({self.process.returncode}) before the condition held:\n"
-                                     f"{self.log_path.read_text()[-3000:]}")
+                raise AssertionError(f"the run exited ({self.process.returncode}) before the condition "
+                                     f"held:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting; last status {self.status()}")
 

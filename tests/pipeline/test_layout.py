@@ -1,0 +1,65 @@
+"""Pipeline layouts: which workers a config asks for, and the layouts that cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.config import ConfigError, PipelineConfig
+from dflash.launcher import plan_workers, worker_environment
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_production_layout_pins_one_gpu_per_worker():
+    layout = PipelineConfig(device="cuda", target_gpus=[0, 1, 2, 3, 4], drafter_gpus=[5, 6, 7])
+    workers = plan_workers(layout, n_visible_gpus=8)
+    assert [(w.name, w.rank, w.gpus) for w in workers] == [
+        ("drafter0", 0, (5,)), ("drafter1", 1, (6,)), ("drafter2", 2, (7,)),
+        ("target0", 3, (0,)), ("target1", 4, (1,)), ("target2", 5, (2,)), ("target3", 6, (3,)),
+        ("target4", 7, (4,)),
+    ]
+    env = worker_environment(workers[3], len(workers), 29500, layout, n_targets=5, n_drafters=3)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["RANK"] == "3" and env["WORLD_SIZE"] == "8"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["DFLASH_WORKER_ROLE"] == "target"
+
+
+def test_cpu_layout_hides_gpus_and_sets_threads():
+    layout = PipelineConfig(target_workers=2, drafter_workers=1, threads_per_worker=1)
+    workers = plan_workers(layout, n_visible_gpus=0)
+    assert [w.name for w in workers] == ["drafter0", "target0", "target1"]
+    env = worker_environment(workers[1], 3, 29500, layout, n_targets=2, n_drafters=1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("layout, visible, message", [
+    (dict(device="cuda", target_gpus=[0, 1, 2, 3, 4], drafter_gpus=[5, 6, 7]), 4,
+     "GPUs [4] do not exist here"),
+    (dict(device="cuda", target_gpus=[0, 1], drafter_gpus=[1]), 8, "shares GPUs [1] with target_gpus"),
+    (dict(device="cuda", target_gpus=[0, 0], drafter_gpus=[1]), 8, "lists a GPU twice"),
+    (dict(device="cuda", target_gpus=[0], drafter_gpus=[]), 8, "at least one target GPU and one drafter GPU"),
+    (dict(device="cuda", target_workers=2, drafter_workers=1), 8, "are for device cpu"),
+    (dict(device="cpu", target_gpus=[0], drafter_gpus=[1]), 8, "need device cuda"),
+    (dict(device="cpu", target_workers=2, drafter_workers=0), 0, "drafter_workers >= 1"),
+])
+def test_layouts_that_cannot_run_are_config_errors(layout, visible, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        plan_workers(PipelineConfig(**layout), n_visible_gpus=visible)
+
+
+def test_train_refuses_a_layout_beyond_the_visible_gpus(demo_dir, tmp_path):
+    raw = yaml.safe_load((demo_dir / "config.yaml").read_text())
+    raw["run"]["output_dir"] = str(tmp_path / "run")
+    raw["pipeline"].update(device="cuda", target_gpus=[0, 1], drafter_gpus=[2])
+    config = tmp_path / "gpus.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    result = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config)], cwd=REPO,
+                            env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "do not exist here (1 visible" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything started
