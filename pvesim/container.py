@@ -6,7 +6,7 @@ hostname and cgroup (`/pvesim-<tag>/lxc/<vmid>/ns` as the node sees it in /proc/
 `/lxc/<vmid>/` part matches real Proxmox), and runs pvesim-init, which reaps orphans.
 
 Files that exist only in the container's layer: the simulated nvidia-smi and its GPU list, the init,
-/etc/hostname, and a whiteout hiding the node's /usr/sbin/pct.
+/etc/hostname, its own /root, and a whiteout hiding the node's /usr/sbin/pct.
 """
 
 import hashlib
@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import uuid
 
 from .host import PACKAGE_BIN, SimError
@@ -91,7 +92,30 @@ lxc.mount.entry = tmpfs tmp tmpfs rw,nosuid,nodev,mode=1777 0 0
 lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0
 lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0
 lxc.mount.entry = /proc {HOST_PROC_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
-"""
+""" + "".join(f"lxc.mount.entry = {p} {p.lstrip('/')} none bind,ro,create=dir 0 0\n"
+            for p in _hidden_pythons())
+
+
+def _hidden_pythons():
+    """The python the project's venv is built on, when it lives under the node's /root (pyenv): the
+    container's /root is its own, so that python is bound in read-only to keep the venv usable."""
+    base = os.path.realpath(sys.base_prefix)
+    return [base] if base.startswith("/root/") else []
+
+
+# Debian's root dotfiles (base-files ships them); the fallbacks say the same in fewer words.
+ROOT_DOTFILES = {
+    ".profile": 'if [ "$BASH" ]; then\n  if [ -f ~/.bashrc ]; then\n    . ~/.bashrc\n  fi\nfi\n',
+    ".bashrc": "# ~/.bashrc: executed by bash(1) for non-login shells.\n",
+}
+
+
+def _debian_default(name, fallback):
+    try:
+        with open(f"/usr/share/base-files/dot{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return fallback.encode()
 
 
 def _put(delta, path, data, mode):
@@ -122,6 +146,13 @@ def write_container(node_files, tag, vmid, gpus):
     _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(gpus).encode(), 0o644)
     _put(delta, "/etc/hostname", f"ct{vmid}\n".encode(), 0o644)
     _whiteout(delta, "/usr/sbin/pct")
+    # The container's /root is its own (an opaque dir hides the node's /root, so a file copied to the
+    # node's /root is NOT visible in the container), with root's dotfiles as a fresh Debian container has.
+    root_home = delta / "root"
+    root_home.mkdir(mode=0o700, exist_ok=True)
+    os.setxattr(root_home, "trusted.overlay.opaque", b"y")
+    for name, default in ROOT_DOTFILES.items():
+        _put(delta, f"/root/{name}", _debian_default(name, default), 0o644)
 
 
 def lxc(tool, node_files, vmid, *args, **kw):

@@ -8,6 +8,7 @@ import pytest
 pytestmark = pytest.mark.sim
 
 
+@pytest.mark.slow
 def test_ping_reaches_every_node_and_container(sim, run_ansible):
     res = run_ansible("ansible", "all", "-m", "ansible.builtin.ping", check=True)
     for host in ["pve1", "pve2", "ct200", "ct201", "ct202", "ct203"]:

@@ -37,6 +37,7 @@ def test_list_gpus_format(sim):
     assert uuids(sim, "pve1", 200) != uuids(sim, "pve2", 202)
 
 
+@pytest.mark.slow
 def test_a_process_holds_gpu0_while_it_runs_with_its_host_pid(sim):
     gpu0 = uuids(sim, "pve1", 200)[0]
     holder = "CUDA_VISIBLE_DEVICES=0 PVESIM_GPU_MEMORY_MIB=3000 exec sleep 60"

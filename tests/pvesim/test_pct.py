@@ -28,6 +28,20 @@ def test_file_written_through_pct_exec_exists_in_the_container_only(sim):
     assert delta.read_text() == "inside\n"  # it lives in CT 200's own layer
 
 
+def test_a_file_copied_to_the_nodes_root_is_not_in_the_containers_root(sim):
+    # The seeds' first failure: patched files copied to the node's /root while the run reads the
+    # container's own /root. The container must not see the node's home.
+    name = unique("on-node")
+    res = sim.ssh("pve1", f"echo node-only > /root/{name}")
+    try:
+        assert res.returncode == 0, res.stderr
+        assert sim.ssh("pve1", in_ct(200, "test", "-e", f"/root/{name}")).returncode == 1
+        listing = sim.ssh("pve1", in_ct(200, "ls", "-A", "/root")).stdout.split()
+        assert ".bashrc" in listing and ".profile" in listing
+    finally:
+        os.unlink(f"/root/{name}")
+
+
 def test_exec_passes_argv_untouched_and_propagates_the_exit_status(sim):
     args = ["a b", "$HOME", "", "'quoted'", "semi;colon"]
     show_argv = "import sys, json; print(json.dumps(sys.argv[1:]))"
