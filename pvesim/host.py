@@ -9,8 +9,11 @@ while any registered sim is up, and each sim's host keys sit in a marked block o
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 PACKAGE_BIN = Path(__file__).resolve().parent / "bin"
@@ -43,19 +46,40 @@ def machine_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def register(state_dir):
+def register(state_dir, record):
+    """Register a sim with a copy of its record (sim.json), which outlives a deleted state dir."""
     REGISTRY.mkdir(parents=True, exist_ok=True)
-    (REGISTRY / sim_tag(state_dir)).write_text(f"{state_dir}\n")
+    entry = REGISTRY / sim_tag(state_dir)
+    tmp = REGISTRY / f".{entry.name}.tmp"
+    tmp.write_text(record)
+    tmp.replace(entry)
 
 
 def unregister(state_dir):
     (REGISTRY / sim_tag(state_dir)).unlink(missing_ok=True)
 
 
+def registered_record(state_dir):
+    try:
+        return json.loads((REGISTRY / sim_tag(state_dir)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def registered_state_dirs():
     if not REGISTRY.is_dir():
         return []
-    return sorted(Path(p.read_text().strip()) for p in REGISTRY.iterdir() if p.is_file())
+    dirs = set()
+    for entry in REGISTRY.glob("[0-9a-f]*"):
+        try:
+            text = entry.read_text()
+        except OSError:
+            continue
+        try:
+            dirs.add(Path(json.loads(text)["state_dir"]))
+        except (ValueError, KeyError, TypeError):
+            dirs.add(Path(text.strip()))  # an entry holding only the path
+    return sorted(dirs)
 
 
 def install_pct():
@@ -119,14 +143,35 @@ def _write_atomic(path, text):
     tmp.replace(path)
 
 
-def remove_cgroups(tag):
-    """Remove the (empty) cgroup directories this sim's containers left, deepest first."""
+def _cgroup_tops(tag):
     root = Path("/sys/fs/cgroup")
-    tops = [root / f"pvesim-{tag}"] + [d / f"pvesim-{tag}" for d in root.iterdir() if d.is_dir()] \
-        if root.is_dir() else []
-    for top in tops:
-        if not top.is_dir():
-            continue
+    if not root.is_dir():
+        return []
+    tops = [root / f"pvesim-{tag}"] + [d / f"pvesim-{tag}" for d in root.iterdir() if d.is_dir()]
+    return [top for top in tops if top.is_dir()]
+
+
+def cgroup_pids(tag):
+    """Every process still in one of this sim's cgroups (its containers' processes and monitors)."""
+    pids = set()
+    for top in _cgroup_tops(tag):
+        for dirpath, _, files in os.walk(top):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError):
+                    pids.update(int(p) for p in Path(dirpath, "cgroup.procs").read_text().split())
+    return pids
+
+
+def remove_cgroups(tag):
+    """Kill what is left in this sim's cgroups (a container whose files are gone can no longer be
+    stopped by lxc-stop), then remove the cgroup directories, deepest first."""
+    deadline = time.monotonic() + 10
+    while (pids := cgroup_pids(tag)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    for top in _cgroup_tops(tag):
         for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)

@@ -141,10 +141,11 @@ def sshd_is_ours(pid, files):
 
 def stop_sshd(files, pid=None, started=None):
     """Stop the node's sshd and every session under it (by pid: recorded, else the pidfile)."""
-    for candidate in (pid, read_pid(files.pidfile)):
-        if candidate and procs.is_alive(candidate, started if candidate == pid else None) \
-                and sshd_is_ours(candidate, files):
-            procs.stop_tree(candidate, procs.start_time(candidate))
+    if pid and procs.is_alive(pid, started):
+        procs.stop_tree(pid, started)  # the recorded process itself: pid and start time match
+    pid = read_pid(files.pidfile)
+    if pid and procs.is_alive(pid) and sshd_is_ours(pid, files):
+        procs.stop_tree(pid, procs.start_time(pid))
 
 
 def tail(path, lines=5):

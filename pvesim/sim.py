@@ -90,10 +90,12 @@ class Sim:
         return json.dumps(data, indent=2) + "\n"
 
     def save(self):
+        """Write sim.json, and its copy in the machine's registry of sims."""
         path = self.state_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(self.to_json())
         tmp.replace(path)
+        host.register(self.state_dir, self.to_json())
 
 
 def _node_files(sim_or_dir, name):
@@ -108,6 +110,10 @@ def load(state_dir=DEFAULT_STATE_DIR):
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise SimError(f"no pvesim is up in {path.parent} (run `python -m pvesim up`)") from None
+    return _from_record(data)
+
+
+def _from_record(data):
     return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"])
 
@@ -177,8 +183,7 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory):
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
-    # Registered and saved before anything starts, so that `down` finds whatever a crash leaves.
-    host.register(state_dir)
+    # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
     sim.save()
     host.install_pct()
     client_key = node.keygen(sim.private_key, "pvesim")
@@ -261,18 +266,21 @@ def _down_locked(state_dir):
     try:
         sim = load(state_dir)
     except (SimError, ValueError, KeyError, TypeError):
-        sim = None
+        record = host.registered_record(state_dir)  # the state dir may be gone: the registry's copy
+        sim = _from_record(record) if record else None
     recorded = {n.name: n for n in sim.nodes} if sim else {}
     nodes_dir = state_dir / "nodes"
-    for node_dir in sorted(nodes_dir.iterdir()) if nodes_dir.is_dir() else []:
-        files = _node_files(state_dir, node_dir.name)
+    names = {p.name for p in nodes_dir.iterdir()} if nodes_dir.is_dir() else set()
+    for name in sorted(names | set(recorded)):
+        files = _node_files(state_dir, name)
         # Containers first (what a node's sessions started inside them dies with them), then sshd.
         vmids = {p.name for p in files.lxcpath.iterdir()} if files.lxcpath.is_dir() else set()
         for vmid in sorted(vmids):
             container.destroy(files, vmid)
-        n = recorded.get(node_dir.name)
+        n = recorded.get(name)
         node.stop_sshd(files, n.sshd_pid if n else None, n.sshd_started if n else None)
-        shutil.rmtree(node_dir)
+        if files.root.is_dir():
+            shutil.rmtree(files.root)
     if nodes_dir.is_dir():
         nodes_dir.rmdir()
     host.remove_cgroups(host.sim_tag(state_dir))

@@ -1,6 +1,7 @@
 """up is idempotent, down leaves nothing behind (also after a crash), sims run side by side."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -93,6 +94,35 @@ def test_down_cleans_up_after_an_up_that_crashed_half_way(tmp_path, monkeypatch)
 
     assert not any(procs.is_alive(p, st) for p, st in sshd)
     assert not (tmp_path / "state").exists()
+
+
+def test_down_works_even_when_the_state_dir_was_deleted(tmp_path):
+    s = pvesim.up(nodes=1, containers=(350,), gpus=1, state_dir=tmp_path / "state",
+                  inventory=tmp_path / "hosts.yml")
+    pids = started_pids(s)
+    shutil.rmtree(s.state_dir)  # e.g. an old pytest temp dir cleaned up under a running sim
+
+    pvesim.down(s.state_dir)
+
+    assert [p for p, st in pids if procs.is_alive(p, st)] == []
+    assert s.state_dir not in host.registered_state_dirs()
+
+
+def test_down_all_brings_down_every_registered_sim(tmp_path, monkeypatch):
+    # A private registry, pct and default state dir: the other sims of this machine stay up and keep
+    # their /usr/sbin/pct.
+    monkeypatch.setattr(host, "REGISTRY", tmp_path / "registry")
+    monkeypatch.setattr(host, "PCT_PATH", tmp_path / "pct")
+    monkeypatch.setattr(sim_module, "DEFAULT_STATE_DIR", tmp_path / "default")
+    sims = [pvesim.up(nodes=1, containers=(360 + i,), gpus=1, state_dir=tmp_path / f"s{i}",
+                      inventory=tmp_path / f"hosts{i}.yml") for i in range(2)]
+    pids = [p for s in sims for p in started_pids(s)]
+
+    pvesim.down_all()
+
+    assert [p for p, st in pids if procs.is_alive(p, st)] == []
+    assert host.registered_state_dirs() == []
+    assert not (tmp_path / "pct").exists()  # the last sim down removes the shared pct
 
 
 def test_cli_help_errors_and_status(sim):
