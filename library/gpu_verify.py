@@ -45,7 +45,8 @@ options:
     choices: [idle, busy, present, any]
     default: any
   gpus:
-    description: Indices of the GPUs to judge. Default all that nvidia-smi lists.
+    description: Indices of the GPUs to judge. Default all that nvidia-smi lists. An empty list is
+      accepted only with O(expect=any).
     type: list
     elements: int
   max_memory_mib:
@@ -432,6 +433,9 @@ def main():
             module.fail_json(msg=f"{key} must be >= {minimum}, got {p[key]}", changed=False)
     if p["gpus"] is not None and any(i < 0 for i in p["gpus"]):
         module.fail_json(msg=f"gpus must be GPU indices >= 0, got {p['gpus']}", changed=False)
+    if p["gpus"] == [] and p["expect"] != "any":
+        module.fail_json(msg=f"gpus is empty, so expect={p['expect']} would judge nothing: "
+                             "name GPU indices, or omit gpus to judge every GPU", changed=False)
     executable = find_executable(p["executable"])
     if executable is None:
         module.fail_json(msg=f"{p['executable']} not found (PATH={os.environ.get('PATH')}): "

@@ -57,7 +57,8 @@ options:
     type: list
     elements: str
   chdir:
-    description: Working directory of the run.
+    description: Working directory of the run. Defaults to C(/) (never the module's temporary
+      directory, which Ansible removes).
     type: path
   environment:
     description: Variables added to the module's environment for the run.
@@ -430,7 +431,7 @@ def stop_run(record, stop_timeout, kill_timeout, proc_root=PROC):
 def resolve_program(argv0, chdir, env):
     """Where exec will find argv[0], or None: checked before anything running is touched."""
     if "/" in argv0:
-        path = argv0 if os.path.isabs(argv0) else os.path.join(chdir or os.getcwd(), argv0)
+        path = argv0 if os.path.isabs(argv0) else os.path.join(chdir or "/", argv0)
         return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
     return shutil.which(argv0, path=env.get("PATH", os.defpath))
 
@@ -465,7 +466,7 @@ def spawn(argv, chdir, env, log_path):
     no SIGHUP when the connection closes."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        return subprocess.Popen(argv, cwd=chdir, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+        return subprocess.Popen(argv, cwd=chdir or "/", env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                 stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
                                 preexec_fn=reset_signals)
     except OSError as exc:

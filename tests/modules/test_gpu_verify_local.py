@@ -136,6 +136,7 @@ def test_check_mode_reads_the_same(smi):
     "args, complaint",
     [
         (dict(gpus=[-1]), "gpus must be GPU indices >= 0"),
+        (dict(gpus=[], expect="idle"), "gpus is empty"),
         (dict(interval=0), "interval must be >= 0.1"),
         (dict(timeout=-5), "timeout must be >= 0"),
         (dict(expect="warm"), "expect"),

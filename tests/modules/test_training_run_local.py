@@ -76,6 +76,7 @@ def test_start_writes_the_pidfile_and_detaches(run):
     assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
     assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == str(run.log)
     assert int(stat_fields(pid)[1]) != os.getpid()  # re-parented away from the module
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"  # not the module's temporary directory
     assert wait_for(lambda: "fake run" in run.log.read_text())
 
 
