@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,25 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
 
 @dataclass
 class BlockBatch:
-    """The drafter's inputs and targets for a packed batch; Q = n_blocks * block_size."""
+    """The drafter's inputs and targets for a packed batch; Q = n_blocks * block_size.
+    The `[Q, T+Q]` attention mask is built on first use, so that targets and weights of many
+    batches can be held at once cheaply."""
 
     block_input_ids: torch.Tensor  # [Q] anchor token then mask tokens, per block
     block_positions: torch.Tensor  # [Q] anchor + k, position within the document
-    attention_mask: torch.Tensor   # [Q, T + Q] bool, True = may attend
     labels: torch.Tensor           # [Q] token at anchor + k (unshifted); 0 where unscored
     weights: torch.Tensor          # [Q] float32 loss weights, 0 where unscored
+    context_doc: torch.Tensor      # [T] document of each context token
+    context_pos: torch.Tensor      # [T] position of each context token within its document
+    block_doc: torch.Tensor        # [n_blocks]
+    block_anchor: torch.Tensor     # [n_blocks]
+    block_size: int
+
+    @cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """[Q, T + Q] bool, True = may attend."""
+        return build_block_attention_mask(self.context_doc, self.context_pos, self.block_doc,
+                                          self.block_anchor, self.block_size)
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
@@ -91,25 +104,28 @@ def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqle
 
     block_input_ids = torch.full_like(labels, mask_token_id)
     block_input_ids[:, 0] = labels[:, 0]
-    attention_mask = build_block_attention_mask(
-        document_ids(cu_seqlens).to(device), position_ids.to(device), block_doc.to(device),
-        block_anchor.to(device), block_size,
-    )
-    return BlockBatch(block_input_ids.reshape(-1), positions.reshape(-1).to(device), attention_mask,
-                      labels.reshape(-1), weights.reshape(-1))
+    return BlockBatch(block_input_ids.reshape(-1), positions.reshape(-1).to(device), labels.reshape(-1),
+                      weights.reshape(-1), document_ids(cu_seqlens).to(device), position_ids.to(device),
+                      block_doc.to(device), block_anchor.to(device), block_size)
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum(w * ce) / sum(w), cross entropy in float32; 0 (with a graph) when nothing is scored."""
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """sum(w * ce) / sum(w), cross entropy in float32; 0 (with a graph) when nothing is scored.
+    `normalizer` replaces sum(w) when a batch's loss is accumulated over several parts."""
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
-    return (weights * ce).sum() / weights.sum().clamp_min(1e-6)
+    total = weights.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weights.dtype)
+    return (weights * ce).sum() / total.clamp_min(1e-6)
 
 
 @torch.no_grad()
+def count_correct(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
+    """(scored block positions whose argmax is the label, scored block positions)."""
+    scored = weights > 0
+    return int((logits.argmax(-1)[scored] == labels[scored]).sum()), int(scored.sum())
+
+
 def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> float:
     """Fraction of scored block positions whose argmax is the label (nan when none is scored)."""
-    scored = weights > 0
-    n = int(scored.sum())
-    if n == 0:
-        return math.nan
-    return float((logits.argmax(-1)[scored] == labels[scored]).sum()) / n
+    correct, scored = count_correct(logits, labels, weights)
+    return correct / scored if scored else math.nan

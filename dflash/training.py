@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dflash.config import OptimConfig, TrainConfig
-from dflash.loss import block_accuracy, build_block_batch, dflash_loss, sample_anchors
+from dflash.loss import build_block_batch, count_correct, dflash_loss, sample_anchors
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import build_target_layer_ids, resolve_mask_token_id
 
@@ -63,6 +63,25 @@ def make_optimizer_and_scheduler(params, optim: OptimConfig):
     return optimizer, scheduler
 
 
+def document_groups(bounds: list[int], blocks_per_document: list[int], max_tokens: int,
+                    max_blocks: int) -> list[tuple[int, int]]:
+    """Consecutive documents `[first, last)` that go through the drafter together: a group grows
+    while it holds at most `max_tokens` tokens and `max_blocks` blocks (a document alone may
+    exceed them), so one group costs about as much memory as one full-size document. Groups
+    without any block are dropped."""
+    groups: list[tuple[int, int]] = []
+    tokens = blocks = 0
+    for doc, n_blocks in enumerate(blocks_per_document):
+        length = bounds[doc + 1] - bounds[doc]
+        if groups and tokens + length <= max_tokens and blocks + n_blocks <= max_blocks:
+            groups[-1] = (groups[-1][0], doc + 1)
+            tokens, blocks = tokens + length, blocks + n_blocks
+        else:
+            groups.append((doc, doc + 1))
+            tokens, blocks = length, n_blocks
+    return [(first, last) for first, last in groups if sum(blocks_per_document[first:last])]
+
+
 @dataclass
 class StepResult:
     step: int            # optimizer steps done after this one
@@ -84,8 +103,7 @@ class DrafterTrainer:
         self.anchor_generator = torch.Generator().manual_seed(cfg.run.seed)
         self.step = 0
 
-    def sample_anchors(self, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
-        bounds = cu_seqlens.tolist()
+    def sample_anchors(self, loss_mask: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
         return [
             sample_anchors(loss_mask[start:end], self.drafter.cfg.block_size, self.cfg.data.max_anchors,
                            self.anchor_generator)
@@ -94,31 +112,49 @@ class DrafterTrainer:
 
     def train_step(self, features: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor,
                    input_ids: torch.Tensor, loss_mask: torch.Tensor) -> StepResult:
-        """One optimizer step on packed target features `[T, k*H]` with their `[T]` metadata."""
+        """One optimizer step on packed target features `[T, k*H]` with their `[T]` metadata.
+
+        The documents go through the drafter in groups (`document_groups`), each backward adding
+        its share of sum(w * ce) / sum(w) over the whole batch: the gradient is the full batch's,
+        while the `[Q, T+Q]` mask and `[Q, vocab]` logits exist for one group at a time."""
         device = self.drafter.fc.weight.device
         features, position_ids = features.to(device), position_ids.to(device)
         input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
-        anchors = self.sample_anchors(loss_mask, cu_seqlens)
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        anchors = self.sample_anchors(loss_mask, bounds)
         dcfg = self.drafter.cfg
-        batch = build_block_batch(input_ids, loss_mask, cu_seqlens, position_ids, anchors, dcfg.block_size,
-                                  dcfg.mask_token_id, self.gamma)
+        parts = []
+        for first, last in document_groups(bounds, [a.numel() for a in anchors], self.cfg.data.max_length,
+                                           self.cfg.data.max_anchors):
+            start, end = bounds[first], bounds[last]
+            part_bounds = torch.tensor([b - start for b in bounds[first: last + 1]], dtype=torch.int32)
+            batch = build_block_batch(input_ids[start:end], loss_mask[start:end], part_bounds,
+                                      position_ids[start:end], anchors[first:last], dcfg.block_size,
+                                      dcfg.mask_token_id, self.gamma)
+            parts.append((start, end, batch))
+        total_weight = sum(batch.weights.sum() for _, _, batch in parts)
+
         self.drafter.train()
-        hidden = self.drafter(features, position_ids, batch.block_input_ids, batch.block_positions,
-                              batch.attention_mask)
-        logits = self.drafter.logits(hidden)
-        loss = dflash_loss(logits, batch.labels, batch.weights)
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum, correct, scored = 0.0, 0, 0
+        for start, end, batch in parts:
+            hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
+                                  batch.block_positions, batch.attention_mask)
+            logits = self.drafter.logits(hidden)
+            loss = dflash_loss(logits, batch.labels, batch.weights, normalizer=total_weight)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            hits, count = count_correct(logits, batch.labels, batch.weights)
+            correct, scored = correct + hits, scored + count
+        lr = self.scheduler.get_last_lr()[0]
         torch.nn.utils.clip_grad_norm_(
             [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
         )
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        accuracy = block_accuracy(logits, batch.labels, batch.weights)
-        return StepResult(self.step, float(loss.detach()), accuracy, lr, int(features.shape[0]),
-                          sum(a.numel() for a in anchors))
+        return StepResult(self.step, loss_sum, correct / scored if scored else math.nan, lr,
+                          int(features.shape[0]), sum(a.numel() for a in anchors))
 
     def state_dict(self) -> dict:
         return {

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from dflash.config import config_from_dict
 from dflash.hidden_states import get_hidden_states_packed
-from dflash.loss import build_block_batch
+from dflash.loss import build_block_batch, dflash_loss
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import build_target_layer_ids, load_target, target_hidden_states
-from dflash.training import DrafterTrainer, build_drafter
+from dflash.training import DrafterTrainer, build_drafter, document_groups
 
 BLOCK = 4
 VOCAB = 50
@@ -131,3 +133,44 @@ def test_drafter_config_rejects_bad_shapes():
         DrafterConfig(16, 32, 4, 2, 4, 1, 3, 1, 0, 50)
     with pytest.raises(ValueError, match="not a multiple"):
         DrafterConfig(16, 32, 4, 3, 4, 1, 3, 4, 0, 50)
+
+
+def test_document_groups_bound_tokens_and_blocks():
+    bounds = [0, 10, 30, 35, 45, 50]
+    assert document_groups(bounds, [2, 3, 0, 1, 1], max_tokens=20, max_blocks=4) == [(0, 1), (1, 2), (2, 5)]
+    assert document_groups(bounds, [2, 3, 0, 1, 1], max_tokens=100, max_blocks=100) == [(0, 5)]
+    assert document_groups(bounds, [0, 0, 0, 0, 1], max_tokens=15, max_blocks=1) == [(4, 5)]
+    assert document_groups([0, 5], [0], 10, 10) == []
+
+
+def test_grouped_step_has_the_whole_batch_gradient(tiny_target, tiny_config, tmp_path):
+    # max_length 20 puts each document in its own group; the sum of the groups' backward passes
+    # must equal one backward of the whole batch's loss.
+    cfg = config_from_dict(tiny_config(tmp_path, data={"max_length": 20}))
+    target = load_target(tiny_target)
+    torch.manual_seed(0)
+    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    reference = copy.deepcopy(trainer.drafter)
+    rng_state = trainer.anchor_generator.get_state()
+
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 100, (3, 20), generator=g)
+    attention_mask = torch.tensor([[1] * 20, [1] * 12 + [0] * 8, [1] * 16 + [0] * 4])
+    packed = target_hidden_states(target, input_ids, attention_mask, [2])
+    loss_mask = torch.ones(48, dtype=torch.int64)
+    result = trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
+                                packed.pack(input_ids), loss_mask)
+
+    trainer.anchor_generator.set_state(rng_state)
+    anchors = trainer.sample_anchors(loss_mask, packed.cu_seqlens.tolist())
+    batch = build_block_batch(packed.pack(input_ids), loss_mask, packed.cu_seqlens, packed.position_ids,
+                              anchors, cfg.model.block_size, reference.cfg.mask_token_id, cfg.gamma)
+    hidden = reference(packed.features, packed.position_ids, batch.block_input_ids, batch.block_positions,
+                       batch.attention_mask)
+    loss = dflash_loss(reference.logits(hidden), batch.labels, batch.weights)
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+    grads = {name: p.grad for name, p in trainer.drafter.named_parameters() if p.requires_grad}
+    for name, p in reference.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
