@@ -99,9 +99,12 @@ def test_status_and_config(sim):
     assert lines[-2:] == ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
 
 
-def test_stop_start_and_exec_on_a_stopped_container(sim):
+def test_shutdown_start_and_exec_on_a_stopped_container(sim):
     try:
-        assert sim.ssh("pve1", "pct stop 201").returncode == 0
+        # A clean shutdown: the init passes the halt on to every process and the container stops.
+        sim.ssh("pve1", in_ct(201, "/bin/sh", "-c", "nohup sleep 300 >/dev/null 2>&1 &"))
+        res = sim.ssh("pve1", "pct shutdown 201 --timeout 20", timeout=30)
+        assert res.returncode == 0, res.stderr
         assert sim.ssh("pve1", "pct status 201").stdout == "status: stopped\n"
         assert "201        stopped" in sim.ssh("pve1", "pct list").stdout
         res = sim.ssh("pve1", in_ct(201, "true"))
@@ -116,6 +119,9 @@ def test_stop_start_and_exec_on_a_stopped_container(sim):
     assert sim.ssh("pve1", "pct status 201").stdout == "status: running\n"
     assert sim.ssh("pve1", "pct start 201").stderr.strip() == "CT 201 already running"
     assert sim.ssh("pve1", in_ct(201, "hostname")).stdout == "ct201\n"
+    assert sim.ssh("pve1", "pct stop 201").returncode == 0  # a hard stop
+    assert sim.ssh("pve1", "pct status 201").stdout == "status: stopped\n"
+    assert sim.ssh("pve1", "pct start 201").returncode == 0
 
 
 def test_push_and_pull_with_perms_and_owner(sim, tmp_path):
