@@ -130,7 +130,8 @@ class DraftAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_mask, enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads
         )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n_q, -1))
+        out = out.squeeze(0).transpose(0, 1).reshape(n_q, cfg.num_attention_heads * cfg.head_dim)
+        return self.o_proj(out)
 
 
 class DraftMLP(nn.Module):

@@ -9,6 +9,7 @@ scheduler, step, and the anchor RNG.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -123,9 +124,12 @@ class DrafterTrainer:
         bounds = [int(b) for b in cu_seqlens.tolist()]
         anchors = self.sample_anchors(loss_mask, bounds)
         dcfg = self.drafter.cfg
+        groups = document_groups(bounds, [a.numel() for a in anchors], self.cfg.data.max_length,
+                                 self.cfg.data.max_anchors)
+        # A batch without any block still runs one (empty) pass: under DDP every rank must join
+        # the gradient all-reduce of every step.
         parts = []
-        for first, last in document_groups(bounds, [a.numel() for a in anchors], self.cfg.data.max_length,
-                                           self.cfg.data.max_anchors):
+        for first, last in groups or [(0, len(anchors))]:
             start, end = bounds[first], bounds[last]
             part_bounds = torch.tensor([b - start for b in bounds[first: last + 1]], dtype=torch.int32)
             batch = build_block_batch(input_ids[start:end], loss_mask[start:end], part_bounds,
@@ -137,12 +141,17 @@ class DrafterTrainer:
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, scored = 0.0, 0, 0
-        for start, end, batch in parts:
-            hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
-                                  batch.block_positions, batch.attention_mask)
-            logits = self.drafter.logits(hidden)
-            loss = dflash_loss(logits, batch.labels, batch.weights, normalizer=total_weight)
-            loss.backward()
+        for i, (start, end, batch) in enumerate(parts):
+            # Under DDP only the last pass synchronises, so that every rank all-reduces once a step
+            # however many groups its batch has.
+            last = i == len(parts) - 1
+            no_sync = getattr(self.drafter, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
+                                      batch.block_positions, batch.attention_mask)
+                logits = self.drafter.logits(hidden)
+                loss = dflash_loss(logits, batch.labels, batch.weights, normalizer=total_weight)
+                loss.backward()
             loss_sum += float(loss.detach())
             hits, count = count_correct(logits, batch.labels, batch.weights)
             correct, scored = correct + hits, scored + count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -174,3 +175,16 @@ def test_grouped_step_has_the_whole_batch_gradient(tiny_target, tiny_config, tmp
     for name, p in reference.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_without_anchors_still_takes_a_step(tiny_target, tiny_config, tmp_path):
+    cfg = config_from_dict(tiny_config(tmp_path))
+    target = load_target(tiny_target)
+    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    input_ids = torch.randint(0, 100, (2, 12))
+    packed = target_hidden_states(target, input_ids, torch.ones_like(input_ids), [2])
+    result = trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
+                                packed.pack(input_ids), torch.zeros(24, dtype=torch.int64))
+    assert result.num_blocks == 0 and result.loss == 0.0 and math.isnan(result.accuracy)
+    assert trainer.step == 1
+    assert all(p.grad is not None for p in trainer.drafter.parameters() if p.requires_grad)
