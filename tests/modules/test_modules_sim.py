@@ -6,7 +6,6 @@ Each test names its own run and uses GPU 5, which the other tests of the session
 
 from __future__ import annotations
 
-import base64
 import json
 import shlex
 import sys
@@ -71,12 +70,14 @@ class Container:
         return pid
 
     def cleanup(self):
-        self.shell(f"{VENV_PYTHON} {LIBRARY}/training_run.py /dev/stdin <<'EOF'\n"
-                   + json.dumps({"ANSIBLE_MODULE_ARGS": {"name": self.tag, "state": "stopped",
-                                                         "stop_timeout": 1, "kill_timeout": 5}})
-                   + "\nEOF")
+        self.shell(training_run_command(name=self.tag, state="stopped", stop_timeout=1, kill_timeout=5))
         for pid in self.pids_to_kill:
             self.shell(f"kill -KILL {pid} 2>/dev/null || true")
+
+
+def training_run_command(**args):
+    """A shell command running training_run in the container without Ansible (arguments as JSON)."""
+    return f"{VENV_PYTHON} {LIBRARY}/training_run.py {shlex.quote(json.dumps({'ANSIBLE_MODULE_ARGS': args}))}"
 
 
 @pytest.fixture
@@ -111,13 +112,10 @@ def test_run_lifecycle_gpus_and_the_pkill_trap(ct):
 
     # The seeds' chain: ssh node "pct exec 200 -- bash -lc '...<script name>...'". The shell that
     # runs the stop carries the script's name in its command line and must live to say so.
-    stop_args = {"ANSIBLE_MODULE_ARGS": {"name": ct.tag, "state": "stopped"}}
-    encoded = base64.b64encode(json.dumps(stop_args).encode()).decode()
-    stop = ct.shell(f"echo {encoded} | base64 -d > /tmp/{ct.tag}-stop.json && "
-                    f"{VENV_PYTHON} {LIBRARY}/training_run.py /tmp/{ct.tag}-stop.json; "
-                    f"echo shell survived {Path(FAKE_RUN).name}")
+    survived = f"shell survived {Path(FAKE_RUN).name}"
+    stop = ct.shell(f"{training_run_command(name=ct.tag, state='stopped')}; echo {survived}")
     assert stop.returncode == 0, (stop.returncode, stop.stdout, stop.stderr)
-    assert stop.stdout.strip().endswith(f"shell survived {Path(FAKE_RUN).name}")
+    assert stop.stdout.strip().endswith(survived)
     result = json.loads(stop.stdout.strip().splitlines()[0])
     assert result["how"] == "terminated" and result["signalled"] == [pid]
     assert not ct.alive(pid)
