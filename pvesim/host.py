@@ -122,6 +122,11 @@ def set_system_known_hosts(state_dir, lines):
     """Put this sim's host keys in its own marked block of /etc/ssh/ssh_known_hosts."""
     text = SYSTEM_KNOWN_HOSTS.read_text() if SYSTEM_KNOWN_HOSTS.exists() else ""
     text = _without_block(text, state_dir)
+    # A line for one of our [address]:port elsewhere is stale (a sim that died without `down`): this
+    # sim holds that port now, and paramiko would take the first key it finds for it.
+    ours = {line.split()[0] for line in lines}
+    text = "".join(line for line in text.splitlines(keepends=True) if not line.split()[:1] or
+                   line.split()[0] not in ours)
     if text and not text.endswith("\n"):
         text += "\n"
     begin, end = _block_markers(state_dir)

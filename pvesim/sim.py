@@ -143,6 +143,19 @@ def _validate(nodes, containers, gpus, state_dir):
     for tool in ("lxc-start", "lxc-attach", node.SSHD, "ssh-keygen", "ssh"):
         if not shutil.which(tool):
             raise SimError(f"{tool} not found: install lxc and openssh-server (`make setup`)")
+    if _root_account_locked():
+        raise SimError("root's password field in /etc/shadow starts with '!' (a locked account): the nodes' "
+                       "sshd (UsePAM no) refuses key logins to locked accounts; unlock it without a password "
+                       "with `usermod -p '*' root`")
+
+
+def _root_account_locked():
+    try:
+        with open("/etc/shadow") as f:
+            entry = next((line for line in f if line.startswith("root:")), "root::")
+    except OSError:
+        return False
+    return entry.split(":")[1].startswith("!")
 
 
 def _healthy(sim):
