@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Pack one release (the trainer's code, its rendered files and REVISION) into a tar.gz on the controller.
+
+Usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < {"config.yaml": text, "run.sh": text}
+
+The release id is a content hash of the code and the rendered files, so an unchanged tree and config
+give the same id (and the container gets nothing new). Prints JSON:
+{"id": ..., "archive": path, "code_sha256": ..., "files": {path in the release: sha256}}.
+"""
+
+import datetime
+import gzip
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
+SKIP_SUFFIXES = (".pyc", ".pyo")
+EXECUTABLE = {"run.sh"}
+
+
+def code_files(code_dir):
+    """(path in the release, path on disk) of the code to ship, sorted."""
+    prefix = os.path.basename(os.path.normpath(code_dir))
+    found = []
+    for root, dirs, files in os.walk(code_dir):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
+        for name in files:
+            if not name.endswith(SKIP_SUFFIXES) and not name.startswith("."):
+                path = os.path.join(root, name)
+                found.append((f"{prefix}/{os.path.relpath(path, code_dir)}", path))
+    return sorted(found)
+
+
+def release_id(checksums):
+    """12 hex digits naming the release: a hash over every file's name and content hash."""
+    digest = hashlib.sha256()
+    for name in sorted(checksums):
+        digest.update(f"{name}\0{checksums[name]}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def add(tar, name, data):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o755 if name in EXECUTABLE else 0o644
+    info.mtime = 0
+    info.uname = info.gname = "root"
+    tar.addfile(info, io.BytesIO(data))
+
+
+def pack(code_dir, dest_dir, revision, rendered):
+    blobs = {}
+    for name, path in code_files(code_dir):
+        with open(path, "rb") as fh:
+            blobs[name] = fh.read()
+    code_sha = release_id({n: hashlib.sha256(b).hexdigest() for n, b in blobs.items()})
+    blobs.update({name: text.encode() for name, text in rendered.items()})
+    checksums = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+    rid = release_id(checksums)
+    blobs["REVISION"] = (
+        f"release: {rid}\nsource: {revision}\ncode: {code_sha}\n"
+        f"config_sha256: {checksums.get('config.yaml', '-')}\n"
+        f"created: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+    ).encode()
+    os.makedirs(dest_dir, exist_ok=True)
+    archive = os.path.join(dest_dir, f"{rid}.tar.gz")
+    tmp = f"{archive}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as tar:
+        for name in sorted(blobs):
+            add(tar, name, blobs[name])
+    os.replace(tmp, archive)
+    return {"id": rid, "archive": archive, "code_sha256": code_sha, "files": checksums}
+
+
+def main(argv):
+    if len(argv) != 4:
+        sys.exit("usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < rendered-files.json")
+    code_dir, dest_dir, revision = argv[1:]
+    if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
+        sys.exit(f"pack_release: {code_dir} is not a Python package (no __init__.py)")
+    print(json.dumps(pack(code_dir, dest_dir, revision or "unknown", json.load(sys.stdin))))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
