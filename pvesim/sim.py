@@ -177,7 +177,13 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
                     and current.gpus == gpus and current.inventory_path == inventory)
             if same and _healthy(current):
+                # Nothing to start but what was stopped; shared files and the inventory are refreshed
+                # in case something removed them.
+                host.install_pct()
+                host.register(state_dir, current.to_json())
                 _ensure_running(current)
+                if not current.inventory_path.exists():
+                    write_inventory(current)
                 return current
             if not same and _healthy(current):
                 raise SimError(f"a sim with another layout is up in {state_dir}: run "
@@ -224,15 +230,14 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory):
 def _ensure_running(sim):
     """Start every container that is not running, through the node's own pct."""
     for n in sim.nodes:
-        env = {**os.environ, **_node_files(sim, n.name).session_env()}
+        files = _node_files(sim, n.name)
+        env = {**os.environ, **files.session_env()}
         for vmid in n.containers:
-            if container.state(_node_files(sim, n.name), vmid) != "RUNNING":
+            if container.state(files, vmid) != "RUNNING":
                 res = subprocess.run([str(host.PCT_PATH), "start", str(vmid)], env=env,
                                      capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 if res.returncode != 0:
                     raise SimError(f"container {vmid} on {n.name} did not start: {res.stderr.strip()}")
-    if not sim.inventory_path.exists():
-        write_inventory(sim)
 
 
 def inventory_data(sim):
