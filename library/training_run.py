@@ -136,7 +136,13 @@ seconds:
   returned: with O(how)
   type: float
 signalled:
-  description: Pids signalled (process group members and descendants of the run).
+  description: Pids that were sent SIGTERM or SIGKILL.
+  returned: with O(how)
+  type: list
+  elements: int
+processes:
+  description: Pids of the run seen during the stop (process group members and descendants of
+    the recorded pid, including those started after SIGTERM); none of them is left.
   returned: with O(how)
   type: list
   elements: int
@@ -364,64 +370,81 @@ def uptime_seconds(record, now=None):
 # Stop
 
 
-def send_signal(sig, pgid, tracked, table, protected):
-    """killpg reaches group members forked after the snapshot; escaped descendants get their own
-    kill, each re-checked against its start time so a reused pid is never hit."""
-    running = still_running(tracked, table)
-    group_running = any(table[pid].pgid == pgid for pid in running)
-    shares_group = any(table[pid].pgid == pgid for pid in protected if pid in table)
-    if group_running and not shares_group:
+def group_is_the_runs(table, record):
+    """Whether the recorded process-group id still names the run's group. The id is the leader's
+    pid, which the kernel keeps while any member lives; it names another group only if a new
+    process now holds that pid."""
+    holder = table.get(record["pgid"])
+    return holder is None or holder.start_time == record["start_time"]
+
+
+class RunStopper:
+    """Stops one live run: SIGTERM, wait, SIGKILL, wait, confirm that none of its processes is left.
+
+    `tracked` maps every process of the run seen so far to its start time: a snapshot taken before
+    signalling (a child that called setsid is a descendant only until its parent dies), grown at
+    each poll with new group members and descendants (a helper that finishes the checkpoint)."""
+
+    def __init__(self, record, proc_root=PROC):
+        self.record = record
+        self.pgid = record["pgid"]
+        self.proc_root = proc_root
+        self.protected = self_and_ancestors(proc_root)
+        self.tracked = run_members(process_table(proc_root), self.pgid, [record["pid"]], self.protected)
+        self.signalled = set()
+
+    def send(self, sig, pids, table):
+        """killpg also reaches group members forked since the table was read; escaped descendants
+        get their own kill, each re-checked against its start time so a reused pid is never hit."""
+        running = still_running(pids, table)
+        group_running = any(table[pid].pgid == self.pgid for pid in running)
+        shares_group = any(table[pid].pgid == self.pgid for pid in self.protected if pid in table)
+        targets = [pid for pid in running if shares_group or table[pid].pgid != self.pgid]
         try:
-            os.killpg(pgid, sig)
+            if group_running and not shares_group:
+                os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
-    for pid in running:
-        if shares_group or table[pid].pgid != pgid:
+        for pid in targets:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        self.signalled.update(running)
 
+    def wait(self, timeout, late_signal):
+        """Poll until every tracked process is gone; returns the pids still running at the deadline.
+        Processes that appear meanwhile get late_signal if one is given: none while the run shuts
+        down on SIGTERM, SIGKILL once it is being killed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            table = process_table(self.proc_root)
+            pgid = self.pgid if group_is_the_runs(table, self.record) else None
+            found = run_members(table, pgid, still_running(self.tracked, table), self.protected)
+            new = {pid: start for pid, start in found.items() if pid not in self.tracked}
+            self.tracked.update(new)
+            if new and late_signal is not None:
+                self.send(late_signal, new, table)
+            running = still_running(self.tracked, table)
+            if not running or time.monotonic() >= deadline:
+                return running
+            time.sleep(POLL_SECONDS)
 
-def wait_until_gone(sig, pgid, tracked, timeout, protected, proc_root):
-    """Poll until every tracked process is gone; members that appear meanwhile are tracked and get
-    the current signal too. Returns the pids still running at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        table = process_table(proc_root)
-        running = still_running(tracked, table)
-        if running:
-            # A group id is not reused while a member lives, so new members of it are the run's.
-            group_alive = any(table[pid].pgid == pgid for pid in running)
-            found = run_members(table, pgid if group_alive else None, running, protected)
-            new = {pid: start for pid, start in found.items() if pid not in tracked}
-            if new:
-                tracked.update(new)
-                send_signal(sig, pgid, new, table, protected)
-        if not running or time.monotonic() >= deadline:
-            return running
-        time.sleep(POLL_SECONDS)
-
-
-def stop_run(record, stop_timeout, kill_timeout, proc_root=PROC):
-    """SIGTERM, wait, SIGKILL, wait, confirm. The caller has checked the record is live."""
-    began = time.monotonic()
-    protected = self_and_ancestors(proc_root)
-    table = process_table(proc_root)
-    tracked = run_members(table, record["pgid"], [record["pid"]], protected)
-    send_signal(signal.SIGTERM, record["pgid"], tracked, table, protected)
-    how = "terminated"
-    left = wait_until_gone(signal.SIGTERM, record["pgid"], tracked, stop_timeout, protected, proc_root)
-    if left:
-        how = "killed"
-        send_signal(signal.SIGKILL, record["pgid"], tracked, process_table(proc_root), protected)
-        left = wait_until_gone(signal.SIGKILL, record["pgid"], tracked, kill_timeout, protected, proc_root)
-    seconds = round(time.monotonic() - began, 2)
-    if left:
-        raise RunError(f"processes {left} of run pid {record['pid']} survived SIGKILL for {kill_timeout}s "
-                       "(uninterruptible sleep?); the pidfile is kept",
-                       signalled=sorted(tracked), seconds=seconds)
-    return {"how": how, "seconds": seconds, "signalled": sorted(tracked)}
+    def stop(self, stop_timeout, kill_timeout):
+        began = time.monotonic()
+        self.send(signal.SIGTERM, self.tracked, process_table(self.proc_root))
+        how = "terminated"
+        left = self.wait(stop_timeout, late_signal=None)
+        if left:
+            how = "killed"
+            self.send(signal.SIGKILL, self.tracked, process_table(self.proc_root))
+            left = self.wait(kill_timeout, late_signal=signal.SIGKILL)
+        summary = dict(seconds=round(time.monotonic() - began, 2), signalled=sorted(self.signalled),
+                       processes=sorted(self.tracked))
+        if left:
+            raise RunError(f"processes {left} of run pid {self.record['pid']} survived SIGKILL for "
+                           f"{kill_timeout}s (uninterruptible sleep?); the pidfile is kept", **summary)
+        return dict(how=how, **summary)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,16 +554,17 @@ def do_stop(module, record, verdict):
     """Stop what the pidfile names; returns the result fields."""
     params = module.params
     if verdict == "absent":
-        return dict(changed=False, how="already_stopped", seconds=0.0, signalled=[], pid=None,
+        return dict(changed=False, how="already_stopped", seconds=0.0, signalled=[], processes=[], pid=None,
                     msg=f"no pidfile {params['pidfile']}: nothing to stop")
     if verdict != "live":
         msg = f"stale pidfile {params['pidfile']} ({verdict}: {describe(record)}) removed, nothing signalled"
         if not module.check_mode:
             remove_file(params["pidfile"])
-        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], pid=record["pid"], msg=msg)
+        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], processes=[],
+                    pid=record["pid"], msg=msg)
     if module.check_mode:
         return dict(changed=True, pid=record["pid"], msg=f"would stop {describe(record)}")
-    stopped = stop_run(record, params["stop_timeout"], params["kill_timeout"])
+    stopped = RunStopper(record).stop(params["stop_timeout"], params["kill_timeout"])
     remove_file(params["pidfile"])
     return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
                 **stopped)

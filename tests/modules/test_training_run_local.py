@@ -142,6 +142,19 @@ def test_stop_lets_the_run_checkpoint_and_removes_the_pidfile(run, tmp_path):
     assert rc == 0 and again["changed"] is False and again["how"] == "already_stopped"
 
 
+def test_stop_waits_for_a_helper_the_run_leaves_behind_without_signalling_it(run, tmp_path):
+    """A run may hand the end of its checkpoint to a child and exit; the stop is complete only when
+    that child is done, and the child started after SIGTERM is not sent one."""
+    helper_done = tmp_path / "helper"
+    pid = run.start("--term-helper", str(helper_done))["pid"]
+    result, rc = run.call(state="stopped", stop_timeout=20)
+    assert rc == 0, result
+    assert result["how"] == "terminated" and result["seconds"] >= 1
+    assert helper_done.read_text() == "helper finished"
+    assert result["signalled"] == [pid]
+    assert len(result["processes"]) == 2 and pid in result["processes"]
+
+
 def test_restarted_replaces_the_run(run):
     old = run.start()["pid"]
     result = run.start(state="restarted")
