@@ -19,6 +19,7 @@ from dflash.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoi
 from dflash.config import config_from_dict
 from dflash.runtime import StopSignal
 from dflash.target import load_target
+from dflash.train import main as train_main
 from dflash.train import run_single_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,3 +195,26 @@ def test_a_few_hundred_steps_make_the_loss_fall(tiny_config, tmp_path, capsys):
     assert end < 0.5 * start, (start, end)
     accuracies = [r["accuracy"] for r in records if r["event"] == "step"]
     assert sum(accuracies[-10:]) / 10 > 0.8
+
+
+def test_train_entry_point_rejects_a_bad_config_without_a_traceback(tiny_config, tmp_path, capsys):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config(tmp_path / "run", model={"block_size": 1})))
+    assert train_main(["--config", str(config_path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.block_size: must be >= 2" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists(), "nothing runs, nothing is written"
+    with pytest.raises(SystemExit) as help_exit:
+        train_main(["--help"])
+    assert help_exit.value.code == 0 and "--config" in capsys.readouterr().out
+
+
+def test_train_entry_point_runs_a_config_file(tiny_config, tmp_path, capsys):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config(tmp_path / "run", optim={"total_steps": 2})))
+    assert train_main(["--config", str(config_path)]) == 0
+    records = events(capsys.readouterr().out)
+    assert [r["event"] for r in records] == ["start", "step", "step", "checkpoint", "stop"]
+    saved_config = (latest_checkpoint(tmp_path / "run") / "config.yaml").read_text()
+    written = config_from_dict(yaml.safe_load(config_path.read_text()))
+    assert config_from_dict(yaml.safe_load(saved_config)) == written
