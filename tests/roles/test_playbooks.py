@@ -1,0 +1,187 @@
+"""deploy.yml, restart_training.yml, stop/status/rollback and fleet rollout against a 2-node pvesim.
+
+The tests of this module share one fleet and run in order: each starts from the state the previous
+one left (like an operator's day). pve1 has CT 200 and 201, pve2 has CT 202 and 203.
+"""
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from roles_support import REPO, Fleet, change_code
+
+pytestmark = [pytest.mark.sim, pytest.mark.slow]
+
+CONTAINERS = (200, 201, 202, 203)
+HOSTS = [f"ct{v}" for v in CONTAINERS]
+BUILD_DIR = REPO / ".cache" / "releases"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("roles-fleet"), nodes=2, containers=CONTAINERS)
+    yield f
+    f.down()
+
+
+def release_files(release_id):
+    """{path in the release: sha256} of the archive the controller built for `release_id`."""
+    with tarfile.open(BUILD_DIR / f"{release_id}.tar.gz") as tar:
+        return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+                for m in tar.getmembers() if m.isfile()}
+
+
+def container_checksums(fleet, vmid, release_dir):
+    find = f"cd {release_dir} && find . -type f ! -path '*/__pycache__/*' -exec sha256sum {{}} +"
+    out = fleet.ct(vmid, find).stdout
+    return {line.split(None, 1)[1].strip()[2:]: line.split()[0] for line in out.splitlines()}
+
+
+def pids(fleet):
+    return {v: (fleet.run_info(v) or {}).get("pid") for v in CONTAINERS}
+
+
+def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
+    res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=4")
+    assert res.rc == 0, res
+    for vmid in CONTAINERS:
+        release_dir = fleet.live_release(vmid)
+        release_id = Path(release_dir).name
+        assert release_dir == f"/opt/dflash/releases/{release_id}"
+        # Every file of the release is in the container with the checksum it has on the controller.
+        expected = release_files(release_id)
+        assert "config.yaml" in expected and "run.sh" in expected and "dflash/train.py" in expected
+        assert container_checksums(fleet, vmid, release_dir) == expected
+        assert f"release: {release_id}" in fleet.read(vmid, f"{release_dir}/REVISION")
+        # The run was started from that release and is alive.
+        info = fleet.run_info(vmid)
+        assert info["argv"] == [f"{release_dir}/run.sh"]
+        assert fleet.alive(vmid, info["pid"])
+        environ = fleet.ct(vmid, f"tr '\\0' '\\n' < /proc/{info['pid']}/environ").stdout.splitlines()
+        assert f"PYTHONPATH={release_dir}" in environ
+    # Nothing of the release is on the nodes (the nodes' filesystem is this machine's).
+    for node in ("pve1", "pve2"):
+        assert fleet.sim.ssh(node, "test -e /opt/dflash").returncode == 1
+    assert not Path("/opt/dflash").exists()
+    # gpu_verify (run by the playbook after the start) saw the run's GPUs busy.
+    busy = res.results("Wait until the run's GPUs are busy.")
+    assert set(busy) == set(HOSTS)
+    for result in busy.values():
+        assert {g["index"] for g in result["gpus"] if g["memory_used_mib"] > 0} >= {0, 1}
+        assert result["processes"]
+
+
+def test_second_deploy_changes_nothing_and_keeps_the_runs(fleet):
+    before = pids(fleet)
+    res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=4")
+    assert res.rc == 0, res
+    assert {h: s["changed"] for h, s in res.stats.items() if h in HOSTS} == {h: 0 for h in HOSTS}
+    assert pids(fleet) == before
+
+
+def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fleet):
+    before = {v: fleet.run_info(v) for v in CONTAINERS}
+    releases = {v: fleet.live_release(v) for v in CONTAINERS}
+    checkpoint = fleet.wait_for_checkpoint(201)
+    change_code(fleet.src, "restart")
+
+    res = fleet.play("restart_training.yml", "-l", "ct201")
+    assert res.rc == 0, res
+    assert set(res.stats) <= {"ct201", "localhost"}
+
+    # The old run is gone, its whole process group with it.
+    old = before[201]
+    assert not fleet.alive(201, old["pid"])
+    group = fleet.ct(201, f"ps -o pid= -g {old['pgid']}").stdout.split()
+    assert group == [], f"processes of the old run's group are left: {group}"
+    # The GPUs were idle between the stop and the start.
+    idle = res.results("Wait until the run's GPUs are idle.")["ct201"]
+    assert not idle.get("failed") and not [p for p in idle["processes"] if p["gpu_index"] in (0, 1)]
+    # The new run runs the new release and resumed from the old run's checkpoint.
+    new = fleet.run_info(201)
+    assert new["pid"] != old["pid"]
+    new_release = fleet.live_release(201)
+    assert new_release != releases[201]
+    assert new["argv"] == [f"{new_release}/run.sh"]
+    events = [json.loads(line) for line in fleet.read(201, "/var/log/dflash/main.log").splitlines()
+              if line.startswith("{")]
+    start = next(i for i, e in enumerate(events) if e["event"] == "start" and e.get("pid") == new["pid"])
+    resume = events[start - 1]
+    last_save = [e for e in events[:start] if e["event"] == "checkpoint"][-1]
+    assert resume["event"] == "resume" and resume["step"] == last_save["step"] == events[start]["step"]
+    assert resume["step"] >= checkpoint["step"] > 0
+    # -l ct201: the other containers kept their run and their release.
+    for vmid in (200, 202, 203):
+        assert fleet.run_info(vmid)["pid"] == before[vmid]["pid"]
+        assert fleet.live_release(vmid) == releases[vmid]
+
+
+def test_restart_refuses_to_stop_a_healthy_run_for_a_config_that_does_not_validate(fleet):
+    before = fleet.run_info(202)
+    release = fleet.live_release(202)
+    bad = '{"dflash_release_settings": {"model": {"block_size": 1}}}'
+    res = fleet.play("restart_training.yml", "-l", "ct202", "-e", bad)
+    assert res.rc != 0
+    assert "does not validate" in res.messages() and "block_size" in res.messages()
+    assert fleet.run_info(202)["pid"] == before["pid"] and fleet.alive(202, before["pid"])
+    assert fleet.live_release(202) == release
+
+
+def test_a_stopped_container_stops_its_batch_and_leaves_the_others_running(fleet):
+    before = pids(fleet)
+    releases = {v: fleet.live_release(v) for v in CONTAINERS}
+    assert fleet.sim.ssh("pve2", "pct stop 203").returncode == 0
+    try:
+        change_code(fleet.src, "fleet")
+        # Default rollout: ct200 first, then the rest; ct203's batch stops at its failure.
+        res = fleet.play("deploy.yml")
+        assert res.rc != 0
+        assert "CT 203 on node pve2 is not running" in res.messages()
+        assert "ct203 (CT 203 on pve2) failed at" in res.messages()
+        assert fleet.live_release(200) != releases[200]  # the first batch went through
+        for vmid in (201, 202):  # the failed batch's others: untouched, still training
+            assert fleet.live_release(vmid) == releases[vmid]
+            assert fleet.run_info(vmid)["pid"] == before[vmid] and fleet.alive(vmid, before[vmid])
+    finally:
+        assert fleet.sim.ssh("pve2", "pct start 203").returncode == 0
+
+
+def test_status_shows_one_table_for_the_fleet(fleet):
+    res = fleet.play("status.yml")
+    assert res.rc == 0, res
+    table = next(iter(res.results("Show the fleet's runs.").values()))["msg"]
+    assert table[0].split()[:4] == ["container", "node", "release", "state"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert set(rows) == set(HOSTS)
+    for vmid in (200, 201, 202):
+        row = rows[f"ct{vmid}"]
+        assert row[1] == ("pve1" if vmid < 202 else "pve2")
+        assert row[2] == Path(fleet.live_release(vmid)).name
+        assert row[3] == "running" and int(row[4]) == fleet.run_info(vmid)["pid"]
+        assert int(row[5]) >= 1 and "0:" in " ".join(row[8:]) and "1:" in " ".join(row[8:])
+    # CT 203 was restarted as a container: its run is gone and the table says so.
+    assert rows["ct203"][3] != "running"
+
+
+def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
+    new_release = fleet.live_release(201)
+    before = fleet.run_info(201)
+    res = fleet.play("rollback.yml", "-l", "ct201")
+    assert res.rc == 0, res
+    back = fleet.live_release(201)
+    assert back != new_release
+    assert fleet.ct(201, "readlink /opt/dflash/previous").stdout.strip() == new_release
+    info = fleet.run_info(201)
+    assert info["pid"] != before["pid"] and info["argv"] == [f"{back}/run.sh"]
+
+
+def test_stop_training_checkpoints_and_frees_the_gpus(fleet):
+    before = fleet.run_info(202)
+    res = fleet.play("stop_training.yml", "-l", "ct202")
+    assert res.rc == 0, res
+    assert not fleet.alive(202, before["pid"])
+    status = fleet.status(202)
+    assert status["state"] == "stopped" and status["last_checkpoint"]
+    assert res.results("Stop the run (the trainer checkpoints on SIGTERM).")["ct202"]["how"] == "terminated"
