@@ -85,7 +85,7 @@ lxc.tty.max = 0
 lxc.apparmor.profile = unconfined
 lxc.init.cmd = {INIT_PATH}
 lxc.signal.halt = SIGPWR
-lxc.cgroup.dir.container = pvesim-{tag}/lxc/{vmid}
+lxc.cgroup.dir.container = {cgroup_base(tag, vmid).lstrip("/")}
 lxc.cgroup.dir.monitor = pvesim-{tag}/lxc.monitor/{vmid}
 lxc.cgroup.dir.container.inner = ns
 lxc.mount.entry = tmpfs tmp tmpfs rw,nosuid,nodev,mode=1777 0 0
