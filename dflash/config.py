@@ -199,6 +199,9 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
                 raise ConfigError(f"{f.name}: expected a {SECTIONS[f.name].__name__}")
+        if self.model.block_size > self.data.max_length:
+            raise ConfigError(f"model.block_size: {self.model.block_size} does not fit in "
+                              f"data.max_length {self.data.max_length}: no block could be trained")
 
     @property
     def gamma(self) -> float:

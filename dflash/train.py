@@ -2,7 +2,9 @@
 
 Single process: the frozen target and the drafter live in this process and take turns each step.
 SIGTERM (or SIGINT) lets the current step finish, then the run saves a checkpoint, writes status
-`stopped`, logs a `stop` event and exits 0. Exit codes: 0 done or stopped, 1 crashed, 2 bad input.
+`stopped`, logs a `stop` event and exits 0: the stop takes at most one step plus one checkpoint
+save (a `run.step_delay` pause is cut short), which is what a stop timeout must allow for.
+Exit codes: 0 done or stopped, 1 crashed, 2 bad input.
 """
 
 from __future__ import annotations
