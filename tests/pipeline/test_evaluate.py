@@ -59,21 +59,20 @@ def test_decoding_equals_greedy_whatever_the_drafts(demo_target):
 
 @pytest.mark.slow
 def test_trained_drafter_reaches_a_higher_tau(write_config, start_run):
-    config = write_config("tau", data={"batch_size": 8, "max_anchors": 32}, optim={"total_steps": 120})
+    config = write_config("tau", data={"batch_size": 8, "max_anchors": 32}, optim={"total_steps": 100})
     run = start_run(config)
     assert run.wait(timeout=300) == 0, run.log_path.read_text()[-3000:]
     result = subprocess.run(
         [sys.executable, "-m", "dflash.evaluate", "--config", str(config),
-         "--checkpoint", str(run.output_dir), "--max-new-tokens", "32", "--threads", "1", "--json"],
+         "--checkpoint", str(run.output_dir), "--max-new-tokens", "32", "--threads", "1", "--no-target-row",
+         "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = {row["name"]: row for row in json.loads(result.stdout.splitlines()[-1])["rows"]}
     trained, untrained = rows["trained drafter"]["tau"], rows["untrained drafter"]["tau"]
-    block = load_config(config).model.block_size
     assert trained > 1.3 and trained > untrained + 0.25, rows
-    assert rows["target as drafter"]["tau"] > trained
-    assert rows["target as drafter"]["tau"] <= block
+    assert rows["trained drafter"]["acceptance_by_position"][0] > 0.2
 
 
 def test_evaluate_reports_bad_input_without_a_traceback(demo_dir, tmp_path):
