@@ -149,11 +149,14 @@ class DrafterTrainer:
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
                 hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
                                       batch.block_positions, batch.attention_mask)
-                logits = self.drafter.logits(hidden)
-                loss = dflash_loss(logits, batch.labels, batch.weights, normalizer=total_weight)
+                # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
+                is_scored = batch.weights > 0
+                labels, weights = batch.labels[is_scored], batch.weights[is_scored]
+                logits = self.drafter.logits(hidden[is_scored])
+                loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
                 loss.backward()
             loss_sum += float(loss.detach())
-            hits, count = count_correct(logits, batch.labels, batch.weights)
+            hits, count = count_correct(logits, labels, weights)
             correct, scored = correct + hits, scored + count
         lr = self.scheduler.get_last_lr()[0]
         torch.nn.utils.clip_grad_norm_(
