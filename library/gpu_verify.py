@@ -180,7 +180,8 @@ KNOWN_FAILURES = (
      "a GPU has fallen off the bus or become inaccessible; the node needs attention"),
 )
 
-# nvidia-smi(1), RETURN VALUE.
+# nvidia-smi(1), RETURN VALUE; 18 (NVML_ERROR_LIB_RM_VERSION_MISMATCH) is not listed there but is what it
+# returns on "Driver/library version mismatch".
 EXIT_CODES = {
     2: "a supplied argument or flag is invalid",
     3: "the requested operation is not available on the target device",
