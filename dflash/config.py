@@ -260,26 +260,32 @@ def config_from_dict(raw) -> TrainConfig:
     return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
 
 
-def target_num_layers(target_path: str) -> int:
-    """Number of decoder layers of the target saved at `target_path` (from its config.json)."""
+def target_shape(target_path: str) -> tuple[int, int]:
+    """(decoder layers, vocabulary size) of the target saved at `target_path`, from its config.json."""
     config_file = Path(target_path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model.target_path: no model at {target_path!r} (expected {config_file})")
     try:
         raw = json.loads(config_file.read_text())
-        return int(raw.get("num_hidden_layers") or raw["text_config"]["num_hidden_layers"])
+        text = raw.get("text_config") or raw
+        return int(text["num_hidden_layers"]), int(text["vocab_size"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"model.target_path: cannot read num_hidden_layers from {config_file}: {exc}") \
-            from exc
+        message = f"model.target_path: cannot read num_hidden_layers and vocab_size from {config_file}"
+        raise ConfigError(f"{message}: {exc!r}") from exc
 
 
 def check_against_target(cfg: TrainConfig) -> None:
-    """Checks that need the target on disk: it exists, and the layer ids are within its depth."""
-    n_layers = target_num_layers(cfg.model.target_path)
+    """Checks that need the target on disk: it exists, the layer ids are within its depth and the
+    mask token within its vocabulary."""
+    n_layers, vocab_size = target_shape(cfg.model.target_path)
     ids = cfg.model.target_layer_ids
     if ids is not None and max(ids) >= n_layers:
         raise ConfigError(f"model.target_layer_ids: {ids} out of range for a target with {n_layers} layers "
                           f"(valid ids are 0..{n_layers - 1})")
+    mask = cfg.model.mask_token_id
+    if mask is not None and mask >= vocab_size:
+        raise ConfigError(f"model.mask_token_id: {mask} is outside the target's vocabulary "
+                          f"(ids 0..{vocab_size - 1})")
 
 
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:

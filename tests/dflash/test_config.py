@@ -64,9 +64,11 @@ def test_unknown_section_missing_section_and_missing_key(tiny_config, tmp_path):
         config_from_dict(raw)
 
 
-def test_layer_ids_out_of_range_and_missing_target(tiny_config, tmp_path):
+def test_checks_against_the_target_on_disk(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match=r"target_layer_ids: \[1, 4\] out of range .* 4 layers"):
         load_config(write(tmp_path, tiny_config(tmp_path / "run", model={"target_layer_ids": [1, 4]})))
+    with pytest.raises(ConfigError, match=r"model.mask_token_id: 128 is outside .* \(ids 0..127\)"):
+        load_config(write(tmp_path, tiny_config(tmp_path / "run", model={"mask_token_id": 128})))
     with pytest.raises(ConfigError, match="model.target_path: no model at"):
         raw = tiny_config(tmp_path / "run", model={"target_path": str(tmp_path / "nope")})
         load_config(write(tmp_path, raw))
