@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import yaml
 from dflash import checkpoint
 from dflash.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
 from dflash.config import config_from_dict
-from dflash.runtime import StopSignal
+from dflash.runtime import EventLog, StopSignal
 from dflash.target import load_target
 from dflash.train import main as train_main
 from dflash.train import run_single_process
@@ -218,3 +219,23 @@ def test_train_entry_point_runs_a_config_file(tiny_config, tmp_path, capsys):
     saved_config = (latest_checkpoint(tmp_path / "run") / "config.yaml").read_text()
     written = config_from_dict(yaml.safe_load(config_path.read_text()))
     assert config_from_dict(yaml.safe_load(saved_config)) == written
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal_and_log_lines_stay_json():
+    log_lines, terminal = io.StringIO(), _Terminal()
+    log = EventLog(total_steps=10, stream=log_lines, progress_stream=terminal)
+    log.emit("step", step=5, loss=1.5, accuracy=float("nan"))
+    log.show_progress(5, 1.5, 1000.0)
+    record = json.loads(log_lines.getvalue())
+    assert record == {**record, "event": "step", "step": 5, "accuracy": None}
+    assert "\r[###############...............] 5/10 loss 1.5000" in terminal.getvalue()
+
+    piped = io.StringIO()
+    quiet = EventLog(total_steps=10, stream=io.StringIO(), progress_stream=piped)
+    quiet.show_progress(5, 1.5, 1000.0)
+    assert piped.getvalue() == ""
