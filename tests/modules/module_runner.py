@@ -44,21 +44,32 @@ def run_module(name, args, env=None, timeout=60):
         pytest.fail(f"{name} printed no JSON (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory="localhost,",
-                extra=()):
-    """Run one module through the `ansible` ad-hoc command; returns that host's result."""
-    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-M", str(LIBRARY), "-m", module,
-               "-a", json.dumps(args), *extra]
-    if inventory == "localhost,":
-        command += ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
+def ansible_json(argv, env=None, timeout=120):
+    """Run an Ansible program with the json stdout callback; returns its report."""
     full_env = dict(os.environ, ANSIBLE_LOAD_CALLBACK_PLUGINS="1", ANSIBLE_STDOUT_CALLBACK="json",
                     ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), **(env or {}))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
     try:
-        report = json.loads(proc.stdout)
-        return report["plays"][0]["tasks"][0]["hosts"][host]
-    except (ValueError, KeyError, IndexError):
-        pytest.fail(f"ansible gave no result (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(proc.stdout)
+    except ValueError:
+        pytest.fail(f"{argv[0]} gave no report (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory="localhost,"):
+    """Run one module through the `ansible` ad-hoc command; returns that host's result."""
+    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-M", str(LIBRARY), "-m", module,
+               "-a", json.dumps(args)]
+    if inventory == "localhost,":
+        command += ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
+    return ansible_json(command, env, timeout)["plays"][0]["tasks"][0]["hosts"][host]
+
+
+def playbook_results(playbook, inventory, host, timeout=120):
+    """Run a playbook; returns the results of its tasks for one host, in order."""
+    argv = [str(VENV_BIN / "ansible-playbook"), "-i", inventory, str(playbook)]
+    tasks = [task for play in ansible_json(argv, timeout=timeout)["plays"] for task in play["tasks"]]
+    return [task["hosts"][host] for task in tasks if host in task["hosts"]]
 
 
 def alive(pid):

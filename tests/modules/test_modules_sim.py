@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
-from module_runner import LIBRARY, ansible_module
+import yaml
+from module_runner import LIBRARY, ansible_module, playbook_results
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -38,6 +41,17 @@ class Container:
         result = ansible_module(module_name, args, host=host or f"ct{VMID}",
                                 inventory=str(self.sim.inventory_path))
         assert "Traceback" not in json.dumps(result), result
+        return result
+
+    def on_node(self, task):
+        """Run one task for the container, delegated to its node, through a playbook."""
+        task = dict(task, name="Read the node's view.", delegate_to=self.node)
+        playbook = Path(tempfile.mkdtemp(prefix=f"{self.tag}-")) / "node.yml"
+        playbook.write_text(yaml.safe_dump([{"hosts": f"ct{VMID}", "gather_facts": False, "tasks": [task]}]))
+        try:
+            [result] = playbook_results(playbook, str(self.sim.inventory_path), f"ct{VMID}")
+        finally:
+            shutil.rmtree(playbook.parent)
         return result
 
     def run(self, **args):
@@ -104,8 +118,9 @@ def test_run_lifecycle_gpus_and_the_pkill_trap(ct):
     on_gpu = [p for p in busy["processes"] if p["gpu_index"] == GPU]
     assert len(on_gpu) == 1 and on_gpu[0]["used_memory_mib"] == 2048 and on_gpu[0]["vmid"] is None
 
-    # On the node: the same process, mapped to its container through its cgroup.
-    node = ct.module("gpu_verify", host=ct.node, expect="busy", gpus=[GPU])
+    # On the node (delegate_to, as a role does it): the same process, mapped to its container
+    # through its cgroup.
+    node = ct.on_node(dict(gpu_verify=dict(expect="busy", gpus=[GPU])))
     assert node.get("failed") is not True, node
     ours = [p for p in node["processes"] if p["container_pid"] == pid]
     assert [(p["vmid"], p["gpu_index"], p["pid"]) for p in ours] == [(VMID, GPU, on_gpu[0]["pid"])]
