@@ -27,3 +27,55 @@ ansible -i "$INVENTORY" all -m ansible.builtin.ping
 
 step "The GPUs the container sees: ssh pve1 pct exec 200 -- nvidia-smi"
 on_node pve1 pct exec 200 -- nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv
+
+# ---- The stop-deploy-start story, with the production playbooks against the sim ----
+# The sim inventory's group_vars sit next to the demo's hosts.yml; the trainer's code is deployed from
+# a copy under .demo/src so that the demo's code change never touches the working tree.
+ln -sfn ../inventory/sim/group_vars .demo/group_vars
+export DFLASH_SIM_ASSETS="$PWD/.demo/assets"
+SRC="$PWD/.demo/src"
+rm -rf "$SRC" && mkdir -p "$SRC"
+cp -r pyproject.toml dflash "$SRC"/ && { [ ! -f README.md ] || cp README.md "$SRC"/; }
+find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
+play() { ansible-playbook -i "$INVENTORY" -e "dflash_env_project_dir=$SRC" -e "dflash_release_source_dir=$SRC/dflash" "$@"; }
+in_ct() { on_node pve1 pct exec 200 -- "$@"; }
+
+step "Prepare the demo target model and data (a tiny Qwen3 trained on the standard library; cached)"
+python -m dflash.demo prepare "$DFLASH_SIM_ASSETS"
+
+step "Deploy: node checks, the trainer's venv, a validated release, the run (ansible-playbook playbooks/deploy.yml)"
+time play playbooks/deploy.yml
+
+step "The release in the container (nothing of it on the node): pct exec 200 -- ls -l /opt/dflash"
+in_ct ls -l /opt/dflash /opt/dflash/current/
+in_ct cat /opt/dflash/current/REVISION
+
+step "The run trains: its log (JSON lines) and the GPUs it holds"
+sleep 8
+in_ct tail -n 3 /var/log/dflash/main.log
+in_ct nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
+
+step "Deploy again with nothing changed: changed=0, the run keeps going"
+play playbooks/deploy.yml | tail -n 4
+
+step "Wait for the run's first checkpoint"
+for _ in $(seq 60); do in_ct ls /var/lib/dflash/runs/main/checkpoints 2>/dev/null | grep -q step- && break; sleep 2; done
+in_ct ls /var/lib/dflash/runs/main/checkpoints
+old_pid=$(in_ct python3 -c 'import json; print(json.load(open("/var/lib/dflash/main.pid"))["pid"])')
+
+step "A code change (in the demo's copy of the trainer)"
+printf '\n# Demo change: deployed by restart_training.yml at %s\n' "$(date -u +%FT%TZ)" >> "$SRC/dflash/train.py"
+tail -n 2 "$SRC/dflash/train.py"
+
+step "restart_training.yml: validate the new release, stop (checkpoint), GPUs idle, start from it, health check"
+time play playbooks/restart_training.yml
+
+step "The new run: new release, new pid (old pid $old_pid is gone), resumed from the old run's checkpoint"
+in_ct readlink /opt/dflash/current
+in_ct python3 -c 'import json; d = json.load(open("/var/lib/dflash/main.pid")); print("pid", d["pid"], "argv", d["argv"])'
+in_ct sh -c "test -d /proc/$old_pid && echo 'old run still alive!' || echo 'old run gone'"
+in_ct grep -E '"event": "(checkpoint|stop|resume|start)"' /var/log/dflash/main.log | tail -n 4
+sleep 5
+
+step "status.yml: one table for the fleet"
+play playbooks/status.yml
