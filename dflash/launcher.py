@@ -205,11 +205,7 @@ class Launcher:
             self.update_status()
         if event == "stop" and worker.spec.role == "drafter":
             # The drafters have checkpointed and stop: the targets must stop feeding them.
-            for target in self.workers:
-                if target.spec.role == "target" and target.state in ("starting", "running"):
-                    target.state = "stopping"
-                    target.process.send_signal(signal.SIGTERM)
-            self.update_status(state="stopping")
+            self.ask_to_stop([w for w in self.workers if w.spec.role == "target"])
 
     def _pump_stdout(self, worker: Worker) -> None:
         for raw in worker.process.stdout:
@@ -241,6 +237,15 @@ class Launcher:
                 thread = threading.Thread(target=pump, args=(worker,), daemon=True)
                 thread.start()
                 worker.threads.append(thread)
+
+    def ask_to_stop(self, workers: list[Worker]) -> None:
+        """SIGTERM to those of `workers` that have not begun to stop (a worker that is already
+        finishing needs no second request)."""
+        for worker in workers:
+            if worker.returncode is None and worker.state in ("starting", "running"):
+                worker.state = "stopping"
+                worker.process.send_signal(signal.SIGTERM)
+        self.update_status(state="stopping")
 
     def signal_workers(self, signum: int) -> None:
         for worker in self.workers:
@@ -284,11 +289,7 @@ class Launcher:
             if self.stop_requested and not self.stop_forwarded:
                 self.stop_forwarded = True
                 self.emit("stop", reason="signal", worker="launcher")
-                for worker in self.workers:
-                    if worker.returncode is None:
-                        worker.state = "stopping"
-                self.update_status(state="stopping")
-                self.signal_workers(signal.SIGTERM)
+                self.ask_to_stop(self.workers)
             self._check_workers()
             if self.kill_deadline is not None and time.monotonic() > self.kill_deadline:
                 self.signal_workers(signal.SIGKILL)

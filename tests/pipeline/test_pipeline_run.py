@@ -11,6 +11,8 @@ import pytest
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 
 PIPELINE = {"target_workers": 2, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2}
+# Two drafters: the stop is agreed between them (DDP) and each target tells both it has ended.
+TWO_DRAFTERS = {**PIPELINE, "drafter_workers": 2}
 
 
 def step_losses(events: list[dict]) -> list[float]:
@@ -47,13 +49,13 @@ def test_pipeline_losses_equal_the_single_process_trainer(write_config, start_ru
 @pytest.mark.slow
 def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_config, start_run, pid_alive):
     run = start_run(write_config("term", optim={"total_steps": 10_000}, run={"step_delay": 0.05},
-                                 pipeline=PIPELINE))
+                                 pipeline=TWO_DRAFTERS))
     # status.json follows the run: the launcher's pid, each worker running with its pid, the step.
     status = run.wait_for(lambda s: s["step"] >= 3 and s["state"] == "running"
                           and all(w["state"] == "running" for w in s["workers"].values()), timeout=180)
     assert status["pid"] == run.process.pid
     worker_pids = [w["pid"] for w in status["workers"].values()]
-    assert len(worker_pids) == 3 and all(pid_alive(pid) for pid in worker_pids)
+    assert len(worker_pids) == 4 and all(pid_alive(pid) for pid in worker_pids)
     later = run.wait_for(lambda s: s["step"] > status["step"], timeout=60)
     assert later["loss"] is not None and later["tokens_per_s"] > 0
 
@@ -65,10 +67,10 @@ def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_confi
     assert latest_checkpoint(run.output_dir).name == f"step-{final['step']:08d}"
     events = run.events()
     names = [(e["event"], e.get("worker")) for e in events]
-    # The drafter checkpoints before it reports its stop; every worker exits with status 0.
+    # Drafter 0 checkpoints before it reports its stop; every worker exits with status 0.
     assert names.index(("checkpoint", "drafter0")) < names.index(("stop", "drafter0"))
     assert sorted(e["worker"] for e in events if e["event"] == "worker_exit" and e["returncode"] == 0) == [
-        "drafter0", "target0", "target1"]
+        "drafter0", "drafter1", "target0", "target1"]
     time.sleep(0.2)
     assert not any(pid_alive(pid) for pid in worker_pids)
     assert not run.group_alive()
@@ -77,11 +79,11 @@ def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_confi
 @pytest.mark.slow
 def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
     run = start_run(write_config("crash", optim={"total_steps": 10_000}, pipeline=PIPELINE),
-                    env={"DFLASH_TEST_FAIL_AT": "target1:3", "DFLASH_FAILURE_GRACE_S": "5"})
+                    env={"DFLASH_TEST_FAIL_AT": "target1:2", "DFLASH_FAILURE_GRACE_S": "5"})
     started = time.monotonic()
     assert run.wait(timeout=180) == 1
     log = run.log_path.read_text()
-    assert "injected failure in target1 at 3" in log
+    assert "injected failure in target1 at 2" in log
     errors = [e for e in run.events() if e["event"] == "error" and "worker target1" in e.get("message", "")]
     assert errors and "injected failure" in errors[0]["message"]
     assert run.status()["state"] == "failed"
