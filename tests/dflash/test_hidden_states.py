@@ -102,15 +102,30 @@ def test_bad_layer_ids_and_mask_are_rejected():
         get_hidden_states_packed(states, [0], mask[:, :2])
 
 
+def peaks_of_both_paths(states, mask, device: str) -> tuple[int, int, int]:
+    """(packed peak, padded peak, output bytes) for layers 0..4, after checking equal results."""
+    ids = [0, 1, 2, 3, 4]
+    packed, packed_peak = peak_allocated_bytes(lambda: get_hidden_states_packed(states, ids, mask), device)
+    padded, padded_peak = peak_allocated_bytes(lambda: get_hidden_states_padded(states, ids, mask), device)
+    assert torch.equal(packed.features, padded.features)
+    return packed_peak, padded_peak, packed.features.numel() * packed.features.element_size()
+
+
 def test_packed_peak_memory_is_the_output_and_below_padded():
     # Half of B x Lmax is padding: padded peaks near (1 + B*Lmax/T) = 3x the output, packed near 1x.
     lengths = [64, 32, 16, 16]
     states, mask = ragged_batch(lengths, 64, hidden=64, n_layers=6, left_pad=False)
-    layer_ids = [0, 1, 2, 3, 4]
-    packed, packed_peak = peak_allocated_bytes(lambda: get_hidden_states_packed(states, layer_ids, mask))
-    padded, padded_peak = peak_allocated_bytes(lambda: get_hidden_states_padded(states, layer_ids, mask))
-    output_bytes = packed.features.numel() * packed.features.element_size()
-    assert torch.equal(packed.features, padded.features)
+    packed_peak, padded_peak, output_bytes = peaks_of_both_paths(states, mask, "cpu")
     assert packed_peak <= 1.1 * output_bytes
     assert padded_peak >= 2.5 * output_bytes
     assert packed_peak < padded_peak
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_equals_padded_on_cuda_and_peaks_at_the_output(dtype):
+    states, mask = ragged_batch([64, 32, 16, 0], 64, hidden=256, n_layers=6, left_pad=True, dtype=dtype)
+    states, mask = tuple(s.cuda() for s in states), mask.cuda()
+    packed_peak, padded_peak, output_bytes = peaks_of_both_paths(states, mask, "cuda")
+    assert packed_peak <= 1.1 * output_bytes < padded_peak
