@@ -49,16 +49,18 @@ class WorkerSpec:
     role: str  # "target" | "drafter"
     role_rank: int  # index among the workers of its role
     rank: int  # global torch.distributed rank: drafters first, so rank 0 is drafter 0
-    gpus: tuple[int, ...]  # physical GPU indices it sees (CUDA_VISIBLE_DEVICES); () on CPU
+    gpus: tuple[int, ...]  # the layout's GPU indices (into the launcher's visible GPUs); () on CPU
 
 
-def visible_gpu_count() -> int:
-    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else the devices the driver lists."""
+def visible_devices() -> list[str]:
+    """The GPUs this process may hand out, as CUDA_VISIBLE_DEVICES entries: the launcher's own
+    CUDA_VISIBLE_DEVICES when set, else every GPU the driver exposes (/dev/nvidia0, 1, ...)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    dev = Path("/dev")
-    return len([p for p in dev.glob("nvidia[0-9]*")]) if dev.is_dir() else 0
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    indices = sorted(int(p.name[len("nvidia"):]) for p in Path("/dev").glob("nvidia*")
+                     if p.name[len("nvidia"):].isdigit())
+    return [str(i) for i in indices]
 
 
 def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
@@ -103,7 +105,9 @@ def free_loopback_port() -> int:
 
 
 def worker_environment(spec: WorkerSpec, world_size: int, port: int, pipeline: PipelineConfig,
-                       n_targets: int, n_drafters: int) -> dict[str, str]:
+                       n_targets: int, n_drafters: int, devices: list[str]) -> dict[str, str]:
+    """The worker's environment: its ranks, the rendezvous, its GPUs (layout index i is the
+    launcher's i-th visible device), its thread count."""
     env = dict(os.environ)
     threads = str(pipeline.threads_per_worker)
     env.update({
@@ -118,7 +122,7 @@ def worker_environment(spec: WorkerSpec, world_size: int, port: int, pipeline: P
         "DFLASH_NUM_DRAFTERS": str(n_drafters),
         "DFLASH_LAUNCHER_PID": str(os.getpid()),
         # An empty CUDA_VISIBLE_DEVICES hides every GPU from a CPU worker.
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)),
+        "CUDA_VISIBLE_DEVICES": ",".join(devices[i] for i in spec.gpus),
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
@@ -145,11 +149,11 @@ def _describe_exit(code: int) -> str:
 
 
 class Launcher:
-    def __init__(self, cfg: TrainConfig, config_path: str, n_visible_gpus: int | None = None):
+    def __init__(self, cfg: TrainConfig, config_path: str):
         self.cfg = cfg
         self.config_path = str(Path(config_path).resolve())
-        gpus = visible_gpu_count() if n_visible_gpus is None else n_visible_gpus
-        self.specs = plan_workers(cfg.pipeline, gpus)
+        self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
+        self.specs = plan_workers(cfg.pipeline, len(self.devices))
         self.status = StatusFile(cfg.run.output_dir)
         self.log = EventLog(cfg.optim.total_steps)
         self.workers: list[Worker] = []
@@ -225,7 +229,8 @@ class Launcher:
         n_targets = sum(s.role == "target" for s in self.specs)
         n_drafters = len(self.specs) - n_targets
         for spec in self.specs:
-            env = worker_environment(spec, len(self.specs), port, self.cfg.pipeline, n_targets, n_drafters)
+            env = worker_environment(spec, len(self.specs), port, self.cfg.pipeline, n_targets, n_drafters,
+                                     self.devices)
             process = subprocess.Popen(
                 [sys.executable, "-m", "dflash.pipeline", "--config", self.config_path],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

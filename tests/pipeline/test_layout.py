@@ -23,8 +23,12 @@ def test_production_layout_pins_one_gpu_per_worker():
         ("target0", 3, (0,)), ("target1", 4, (1,)), ("target2", 5, (2,)), ("target3", 6, (3,)),
         ("target4", 7, (4,)),
     ]
-    env = worker_environment(workers[3], len(workers), 29500, layout, n_targets=5, n_drafters=3)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["RANK"] == "3" and env["WORLD_SIZE"] == "8"
+    # Layout indices count within the launcher's own visible GPUs.
+    devices = ["8", "9", "10", "11", "12", "13", "14", "15"]
+    env = worker_environment(workers[3], len(workers), 29500, layout, 5, 3, devices)
+    assert env["CUDA_VISIBLE_DEVICES"] == "8" and env["RANK"] == "3" and env["WORLD_SIZE"] == "8"
+    first_drafter = worker_environment(workers[0], len(workers), 29500, layout, 5, 3, devices)
+    assert first_drafter["CUDA_VISIBLE_DEVICES"] == "13"
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["DFLASH_WORKER_ROLE"] == "target"
 
 
@@ -32,7 +36,7 @@ def test_cpu_layout_hides_gpus_and_sets_threads():
     layout = PipelineConfig(target_workers=2, drafter_workers=1, threads_per_worker=1)
     workers = plan_workers(layout, n_visible_gpus=0)
     assert [w.name for w in workers] == ["drafter0", "target0", "target1"]
-    env = worker_environment(workers[1], 3, 29500, layout, n_targets=2, n_drafters=1)
+    env = worker_environment(workers[1], 3, 29500, layout, n_targets=2, n_drafters=1, devices=[])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
 
 
