@@ -129,23 +129,22 @@ def test_restart_refuses_to_stop_a_healthy_run_for_a_config_that_does_not_valida
     assert fleet.live_release(202) == release
 
 
-def test_a_stopped_container_stops_its_batch_and_leaves_the_others_running(fleet):
+def test_a_failed_container_stops_the_rollout_and_leaves_the_rest_as_they_were(fleet):
     before = pids(fleet)
     releases = {v: fleet.live_release(v) for v in CONTAINERS}
-    assert fleet.sim.ssh("pve2", "pct stop 203").returncode == 0
+    assert fleet.sim.ssh("pve1", "pct stop 200").returncode == 0
     try:
         change_code(fleet.src, "fleet")
-        # Default rollout: ct200 first, then the rest; ct203's batch stops at its failure.
+        # Default rollout: ct200 alone first, then the rest; ct200 fails, so the rest is never started.
         res = fleet.play("deploy.yml")
         assert res.rc != 0
-        assert "CT 203 on node pve2 is not running" in res.messages()
-        assert "ct203 (CT 203 on pve2) failed at" in res.messages()
-        assert fleet.live_release(200) != releases[200]  # the first batch went through
-        for vmid in (201, 202):  # the failed batch's others: untouched, still training
+        assert "CT 200 on node pve1 is not running" in res.messages()
+        assert "ct200 (CT 200 on pve1) failed at" in res.messages()
+        for vmid in (201, 202, 203):
             assert fleet.live_release(vmid) == releases[vmid]
             assert fleet.run_info(vmid)["pid"] == before[vmid] and fleet.alive(vmid, before[vmid])
     finally:
-        assert fleet.sim.ssh("pve2", "pct start 203").returncode == 0
+        assert fleet.sim.ssh("pve1", "pct start 200").returncode == 0
 
 
 def test_status_shows_one_table_for_the_fleet(fleet):
@@ -155,14 +154,14 @@ def test_status_shows_one_table_for_the_fleet(fleet):
     assert table[0].split()[:4] == ["container", "node", "release", "state"]
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert set(rows) == set(HOSTS)
-    for vmid in (200, 201, 202):
+    for vmid in (201, 202, 203):
         row = rows[f"ct{vmid}"]
         assert row[1] == ("pve1" if vmid < 202 else "pve2")
         assert row[2] == Path(fleet.live_release(vmid)).name
         assert row[3] == "running" and int(row[4]) == fleet.run_info(vmid)["pid"]
         assert int(row[5]) >= 1 and "0:" in " ".join(row[8:]) and "1:" in " ".join(row[8:])
-    # CT 203 was restarted as a container: its run is gone and the table says so.
-    assert rows["ct203"][3] != "running"
+    # CT 200 was stopped and started as a container: its run is gone and the table says so.
+    assert rows["ct200"][3] != "running"
 
 
 def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
