@@ -100,7 +100,7 @@ class WorkerLog(EventLog):
     """JSON lines to stdout for the launcher; only drafter 0 reports steps and checkpoints."""
 
     def __init__(self, total_steps: int, leader: bool):
-        super().__init__(total_steps, progress_stream=open(os.devnull, "w"))  # the launcher draws the bar
+        super().__init__(total_steps)  # stderr is the launcher's pipe: no bar here, the launcher draws it
         self.leader = leader
 
     def emit(self, event: str, **fields) -> None:

@@ -114,7 +114,7 @@ def start_run(tmp_path):
     runs: list[TrainProcess] = []
 
     def start(config: Path, env: dict | None = None) -> TrainProcess:
-        run = TrainProcess(config, tmp_path / f"{config.stem}.log", env)
+        run = TrainProcess(config, tmp_path / f"{config.stem}-{len(runs)}.log", env)
         runs.append(run)
         return run
 

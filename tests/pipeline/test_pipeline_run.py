@@ -20,14 +20,22 @@ def step_losses(events: list[dict]) -> list[float]:
 
 
 @pytest.mark.slow
-def test_pipeline_losses_equal_the_single_process_trainer(write_config, start_run):
+def test_pipeline_losses_equal_the_single_process_trainer_across_a_resume(write_config, start_run):
     steps = 12
     single = start_run(write_config("single", optim={"total_steps": steps}))
     assert single.wait(timeout=240) == 0, single.log_path.read_text()[-3000:]
-    pipeline = start_run(write_config("pipeline", optim={"total_steps": steps}, pipeline=PIPELINE))
+    # The pipeline stops half-way (max_steps_per_run) and a second run resumes from its checkpoint.
+    config = write_config("pipeline", optim={"total_steps": steps}, run={"max_steps_per_run": steps // 2},
+                          pipeline=PIPELINE)
+    first = start_run(config)
+    assert first.wait(timeout=240) == 0, first.log_path.read_text()[-3000:]
+    assert first.status()["step"] == steps // 2
+    pipeline = start_run(config)
     assert pipeline.wait(timeout=240) == 0, pipeline.log_path.read_text()[-3000:]
+    assert [e["step"] for e in pipeline.events() if e["event"] == "resume"] == [steps // 2]
 
-    expected, got = step_losses(single.events()), step_losses(pipeline.events())
+    expected = step_losses(single.events())
+    got = step_losses(first.events()) + step_losses(pipeline.events())
     assert len(got) == steps
     # Same batches, same target features (sent through gloo unchanged), same init and anchor RNG.
     assert got == expected
