@@ -68,15 +68,17 @@ def probe_connection(fleet, vmids, repeats: int) -> dict:
             raise RuntimeError(f"ansible {pattern} -m {module}: {res.stdout[-2000:]} {res.stderr[-2000:]}")
         return t
 
-    out["ansible_localhost_ping_s"] = median([adhoc("localhost", "ansible.builtin.ping") for _ in range(repeats)])
+    out["ansible_localhost_ping_s"] = median(
+        [adhoc("localhost", "ansible.builtin.ping") for _ in range(repeats)])
     out["ansible_node_ping_s"] = median([adhoc(node, "ansible.builtin.ping") for _ in range(repeats)])
     out["ansible_ct_ping_s"] = median([adhoc(f"ct{vmid}", "ansible.builtin.ping") for _ in range(repeats)])
     blob = fleet.base / "blob.bin"
     blob.write_bytes(os.urandom(8 << 20))
     out["ansible_ct_copy_small_s"] = median(
-        [adhoc(f"ct{vmid}", "ansible.builtin.copy", f"content=x{i} dest=/tmp/bench-small") for i in range(repeats)])
+        [adhoc(f"ct{vmid}", "ansible.builtin.copy", f"content=x{i} dest=/tmp/bench-small")
+         for i in range(repeats)])
     big = []
-    for i in range(repeats):
+    for _ in range(repeats):
         blob.write_bytes(os.urandom(8 << 20))  # new content each time: the copy really transfers
         big.append(adhoc(f"ct{vmid}", "ansible.builtin.copy", f"src={blob} dest=/tmp/bench-big"))
     out["ansible_ct_copy_8mib_s"] = median(big)
@@ -130,8 +132,9 @@ def print_tables(results: list[dict], target: float) -> dict:
     for r in results:
         r["ratio"] = round(r["deploy_s"] / one["deploy_s"], 2)
         r["ratio_without_start"] = round(r["deploy_without_start_s"] / one["deploy_without_start_s"], 2)
-        print(f"{r['containers']:>10} {r['nodes']:>5} {r['batches']:>7} {r['deploy_s']:>9.1f} {r['ratio']:>6.2f} "
-              f"{r['run_start_s']:>11.1f} {r['deploy_without_start_s']:>11.1f} {r['ratio_without_start']:>6.2f} "
+        print(f"{r['containers']:>10} {r['nodes']:>5} {r['batches']:>7} {r['deploy_s']:>9.1f} "
+              f"{r['ratio']:>6.2f} {r['run_start_s']:>11.1f} {r['deploy_without_start_s']:>11.1f} "
+              f"{r['ratio_without_start']:>6.2f} "
               f"{r['tasks_run']:>6} {r['cheap_container_task_s'] or 0:>12.2f}")
 
     print("\nwhere the time goes: sum of task wall times (a task's time is its slowest host in the batch)")

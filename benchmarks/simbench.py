@@ -23,8 +23,9 @@ for _p in (REPO / "tests" / "roles", REPO):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import pvesim  # noqa: E402
 from roles_support import VENV_BIN, Fleet, ansible_env  # noqa: E402
+
+import pvesim  # noqa: E402
 
 __all__ = ["REPO", "VENV_BIN", "Fleet", "ansible_env", "pvesim", "bring_up", "timed_play", "task_rows",
            "categorize", "summarize_categories", "median", "timed", "recap"]
