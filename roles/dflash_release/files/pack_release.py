@@ -4,7 +4,8 @@
 Usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < {"config.yaml": text, "run.sh": text}
 
 The release id is a content hash of the code and the rendered files, so an unchanged tree and config
-give the same id (and the container gets nothing new). Prints JSON:
+give the same id (and the container gets nothing new). The archive of an id is written once (REVISION
+records when), so every container of that release gets the same bytes. Prints JSON:
 {"id": ..., "archive": path, "code_sha256": ..., "files": {path in the release: sha256}}.
 """
 
@@ -68,12 +69,21 @@ def pack(code_dir, dest_dir, revision, rendered):
     ).encode()
     os.makedirs(dest_dir, exist_ok=True)
     archive = os.path.join(dest_dir, f"{rid}.tar.gz")
-    tmp = f"{archive}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
-            tarfile.open(fileobj=gz, mode="w") as tar:
-        for name in sorted(blobs):
-            add(tar, name, blobs[name])
-    os.replace(tmp, archive)
+    if not os.path.exists(archive):
+        tmp = f"{archive}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tar:
+            for name in sorted(blobs):
+                add(tar, name, blobs[name])
+        try:
+            os.link(tmp, archive)  # first packer wins: every container of a release gets the same bytes
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with tarfile.open(archive) as tar:
+        checksums = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+                     for m in tar.getmembers() if m.isfile()}
     return {"id": rid, "archive": archive, "code_sha256": code_sha, "files": checksums}
 
 
