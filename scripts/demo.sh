@@ -61,7 +61,9 @@ play playbooks/deploy.yml | tail -n 4
 step "Wait for the run's first checkpoint"
 for _ in $(seq 60); do in_ct ls /var/lib/dflash/runs/main/checkpoints 2>/dev/null | grep -q step- && break; sleep 2; done
 in_ct ls /var/lib/dflash/runs/main/checkpoints
-old_pid=$(in_ct python3 -c 'import json; print(json.load(open("/var/lib/dflash/main.pid"))["pid"])')
+pidfile() { in_ct cat /var/lib/dflash/main.pid | python -c 'import json, sys; d = json.load(sys.stdin); print(d["pid"], d["argv"][0])'; }
+read -r old_pid old_cmd < <(pidfile)
+echo "the run: pid $old_pid, $old_cmd"
 
 step "A code change (in the demo's copy of the trainer)"
 printf '\n# Demo change: deployed by restart_training.yml at %s\n' "$(date -u +%FT%TZ)" >> "$SRC/dflash/train.py"
@@ -72,9 +74,11 @@ time play playbooks/restart_training.yml
 
 step "The new run: new release, new pid (old pid $old_pid is gone), resumed from the old run's checkpoint"
 in_ct readlink /opt/dflash/current
-in_ct python3 -c 'import json; d = json.load(open("/var/lib/dflash/main.pid")); print("pid", d["pid"], "argv", d["argv"])'
-in_ct sh -c "test -d /proc/$old_pid && echo 'old run still alive!' || echo 'old run gone'"
-in_ct grep -E '"event": "(checkpoint|stop|resume|start)"' /var/log/dflash/main.log | tail -n 4
+read -r new_pid new_cmd < <(pidfile)
+echo "the run: pid $new_pid, $new_cmd"
+if in_ct test -d "/proc/$old_pid"; then echo "the old run (pid $old_pid) is still alive!"; exit 1; fi
+echo "the old run (pid $old_pid) is gone"
+in_ct cat /var/log/dflash/main.log | grep -E '"event": "(checkpoint|stop|resume|start)"' | tail -n 4
 sleep 5
 
 step "status.yml: one table for the fleet"
