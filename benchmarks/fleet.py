@@ -82,6 +82,14 @@ def probe_connection(fleet, vmids, repeats: int) -> dict:
         blob.write_bytes(os.urandom(8 << 20))  # new content each time: the copy really transfers
         big.append(adhoc(f"ct{vmid}", "ansible.builtin.copy", f"src={blob} dest=/tmp/bench-big"))
     out["ansible_ct_copy_8mib_s"] = median(big)
+    # What one task costs in round trips: paramiko connections, pct exec calls and cat transfers.
+    for key, module, margs in (("ping", "ansible.builtin.ping", None),
+                               ("copy", "ansible.builtin.copy", "content=round-trips dest=/tmp/bench-rt")):
+        _, res = simbench.ansible_adhoc(inv, f"ct{vmid}", module, margs, verbose=True)
+        text = res.stdout + res.stderr
+        out[f"{key}_connections"] = text.count("ESTABLISH PARAMIKO SSH CONNECTION")
+        out[f"{key}_pct_execs"] = text.count("EXEC /usr/sbin/pct exec") + text.count("EXEC sudo")
+        out[f"{key}_cat_puts"] = text.count("PUT ")
     out["ansible_all_ct_ping_s"] = median([adhoc("training_containers", "ansible.builtin.ping")
                                            for _ in range(repeats)])
     out["containers_pinged"] = len(vmids)
@@ -165,6 +173,10 @@ def print_tables(results: list[dict], target: float) -> dict:
             ("ansible_all_ct_ping_s", f"ansible all {probe['containers_pinged']} CTs -m ping (forks 10)"),
         ):
             print(f"  {label:<50} {probe[key]:>6.2f} s")
+        print(f"  round trips: ping {probe['ping_connections']} ssh connection(s), "
+              f"{probe['ping_pct_execs']} pct exec, "
+              f"{probe['ping_cat_puts']} cat put; copy {probe['copy_connections']} connection(s), "
+              f"{probe['copy_pct_execs']} pct exec, {probe['copy_cat_puts']} cat put(s)")
         print(f"  one container task costs about {probe['per_task_ct_s']:.2f} s of connection "
               f"(node task {probe['per_task_node_s']:.2f} s); "
               + (f"cat moves about {probe['cat_mib_per_s']} MiB/s" if probe["cat_mib_per_s"]
@@ -207,7 +219,8 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     verdict = print_tables(results, args.target)
     print(json.dumps({
-        "benchmark": "fleet", "cpus": os.cpu_count(), "forks": "ansible.cfg default",
+        "benchmark": "fleet", "cpus": os.cpu_count(),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": "ansible.cfg default",
         "serial": args.serial or "[1, '100%'] (playbook default)", "sizes": results, **verdict,
         "total_s": round(time.monotonic() - started, 1),
     }))

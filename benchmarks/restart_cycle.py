@@ -316,7 +316,8 @@ def main(argv=None) -> int:
     print(f"target: no-change deploy <= {args.target_noop:g} s with changed=0: {noop_wall:.1f} s, "
           f"changed={noop_changed} {'PASS' if noop_pass else 'FAIL'}")
     print(json.dumps({
-        "benchmark": "restart_cycle", "cpus": os.cpu_count(), "vmid": vmid, "repeats": args.repeats,
+        "benchmark": "restart_cycle", "cpus": os.cpu_count(),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "vmid": vmid, "repeats": args.repeats,
         "first_deploy_s": round(first_s, 1),
         "restart": {**med, "runs": restarts},
         "noop_deploy": {"wall_s": noop_wall, "changed": noop_changed, "runs": noops},

@@ -157,11 +157,13 @@ def recap(result, hosts) -> dict:
     return {h: s.get("changed") for h, s in result.stats.items() if h in hosts}
 
 
-def ansible_adhoc(inventory, pattern, module, args=None, timeout=300):
-    """Wall seconds and rc of one ad-hoc `ansible` run (the project's ansible.cfg, default callback)."""
+def ansible_adhoc(inventory, pattern, module, args=None, timeout=300, verbose=False):
+    """Wall seconds and result of one ad-hoc `ansible` run (the project's ansible.cfg, default callback)."""
     argv = [str(VENV_BIN / "ansible"), "-i", str(inventory), pattern, "-m", module]
     if args:
         argv += ["-a", args]
+    if verbose:
+        argv.append("-vvv")
     started = time.monotonic()
     res = subprocess.run(argv, env=ansible_env(), capture_output=True, text=True, timeout=timeout,
                          cwd=REPO, stdin=subprocess.DEVNULL)
