@@ -167,7 +167,7 @@ def ritual(fleet, vmid, changed_file: Path, i: int) -> dict:
     # node's filesystem is this machine's: the name is this benchmark's own, removed at the end.
     dest = ritual_copy_path(changed_file)
     t0 = time.monotonic()
-    copy = fleet.sim.ssh(node, f"cat > {shlex.quote(dest)}", input=changed_file.read_text())
+    copy = fleet.sim.ssh(node, f"cat > {shlex.quote(dest)}", stdin=None, input=changed_file.read_text())
     copy_s = time.monotonic() - t0
 
     # 2. Stop: the seeds' one-liner. The shell's own command line contains the pattern.
@@ -180,8 +180,9 @@ def ritual(fleet, vmid, changed_file: Path, i: int) -> dict:
     if stop.returncode == 97:
         raise SystemExit(f"the ritual's shell was not in {host}; nothing was signalled")
 
-    # 3. Start, detached, as the seeds did.
-    start_script = f"cd /opt/dflash/current && nohup ./run.sh >> {RITUAL_LOG} 2>&1 < /dev/null &"
+    # 3. Start, detached. A plain `nohup ./run.sh ... &` keeps `pct exec` (lxc-attach) and so the
+    # ssh waiting until the run ends; `setsid -f` puts it in a session of its own.
+    start_script = f"cd /opt/dflash/current && setsid -f nohup ./run.sh >> {RITUAL_LOG} 2>&1 < /dev/null"
     t0 = time.monotonic()
     start = fleet.sim.ssh(node, f"/usr/sbin/pct exec {vmid} -- /bin/bash -lc {shlex.quote(start_script)}")
     start_s = time.monotonic() - t0

@@ -42,7 +42,7 @@ CATEGORIES = (
     "controller: wheel build, git, pack",
     "node checks (ssh to the node)",
     "venv create + wheel install (pip)",
-    "venv probe (imports torch, transformers)",
+    "venv probe (venv state, module lookup)",
     "file transfer (cat through pct exec)",
     "release validate (trainer's config check)",
     "run stop + GPU idle check",
@@ -126,7 +126,7 @@ def categorize(row: dict) -> str | None:
     if role == "dflash_env" and file in ("venv.yml", "project.yml") or action == "ansible.builtin.pip":
         return "venv create + wheel install (pip)"
     if role == "dflash_env" and file == "probe.yml":
-        return "venv probe (imports torch, transformers)"
+        return "venv probe (venv state, module lookup)"
     if role == "dflash_release" and file == "validate.yml" and action == "ansible.builtin.command":
         return "release validate (trainer's config check)"
     return "other container round trips"
