@@ -56,7 +56,7 @@ in_ct tail -n 3 /var/log/dflash/main.log
 in_ct nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
 
 step "Deploy again with nothing changed: changed=0, the run keeps going"
-play playbooks/deploy.yml | tail -n 4
+time (play playbooks/deploy.yml | tail -n 4)
 
 step "Wait for the run's first checkpoint"
 for _ in $(seq 60); do in_ct ls /var/lib/dflash/runs/main/checkpoints 2>/dev/null | grep -q step- && break; sleep 2; done
