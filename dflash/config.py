@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from dflash.devices import visible_devices
+
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 
@@ -180,6 +182,39 @@ class PipelineConfig(_Section):
         self._require(self.drafter_workers >= 0, "drafter_workers", "must be >= 0")
         self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")
         self._require(self.threads_per_worker >= 1, "threads_per_worker", "must be >= 1")
+        if self.is_multi_process:
+            self._check_layout()
+
+    def _check_layout(self) -> None:
+        """The rules a worker layout must follow wherever it runs (the GPUs it may use are checked
+        by `check_visible_gpus`, where the run starts or is validated)."""
+        if self.device == "cuda":
+            if self.target_workers or self.drafter_workers:
+                raise ConfigError("pipeline: target_workers/drafter_workers are for device cpu; "
+                                  "on cuda list the GPUs in target_gpus and drafter_gpus")
+            if not self.target_gpus or not self.drafter_gpus:
+                raise ConfigError(f"pipeline: device cuda needs at least one target GPU and one drafter GPU, "
+                                  f"got target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
+            for key in ("target_gpus", "drafter_gpus"):
+                gpus = getattr(self, key)
+                self._require(len(set(gpus)) == len(gpus), key, "lists a GPU twice")
+        else:
+            if self.target_gpus or self.drafter_gpus:
+                raise ConfigError("pipeline: target_gpus/drafter_gpus need device cuda; "
+                                  "on cpu use target_workers and drafter_workers")
+            if self.target_workers < 1 or self.drafter_workers < 1:
+                raise ConfigError("pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers "
+                                  f">= 1, got {self.target_workers} and {self.drafter_workers}")
+
+    def check_visible_gpus(self, n_visible_gpus: int) -> None:
+        """Refuse a cuda layout that names GPUs this machine does not have."""
+        if self.device != "cuda":
+            return
+        for key in ("target_gpus", "drafter_gpus"):
+            beyond = sorted(g for g in getattr(self, key) if g >= n_visible_gpus)
+            if beyond:
+                raise ConfigError(f"pipeline.{key}: GPUs {beyond} do not exist here "
+                                  f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
 
     @property
     def is_multi_process(self) -> bool:
@@ -289,7 +324,8 @@ def check_against_target(cfg: TrainConfig) -> None:
 
 
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
-    """Read, validate and return the YAML config at `path`; raise ConfigError on any problem."""
+    """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
+    `check_target` also checks it against this machine: the target on disk, the visible GPUs."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -300,6 +336,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     cfg = config_from_dict(raw)
     if check_target:
         check_against_target(cfg)
+        cfg.pipeline.check_visible_gpus(len(visible_devices()))
     return cfg
 
 
@@ -314,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="exit 0 if the config is valid, else print why and exit 2")
     validate.add_argument("config", help="path to the YAML training config")
     validate.add_argument("--no-target-check", action="store_true",
-                          help="skip the checks that need the target model on disk")
+                          help="skip the checks that need this machine: the target model on disk, "
+                               "the GPUs of the layout")
     args = parser.parse_args(argv)
     try:
         load_config(args.config, check_target=not args.no_target_check)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.config import ConfigError, PipelineConfig, TrainConfig
+from dflash.devices import visible_devices
 from dflash.runtime import EventLog, StatusFile
 
 # Seconds the other workers get to exit after one failed, before SIGKILL.
@@ -52,44 +53,14 @@ class WorkerSpec:
     gpus: tuple[int, ...]  # the layout's GPU indices (into the launcher's visible GPUs); () on CPU
 
 
-def visible_devices() -> list[str]:
-    """The GPUs this process may hand out, as CUDA_VISIBLE_DEVICES entries: the launcher's own
-    CUDA_VISIBLE_DEVICES when set, else every GPU the driver exposes (/dev/nvidia0, 1, ...)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
-    indices = sorted(int(p.name[len("nvidia"):]) for p in Path("/dev").glob("nvidia*")
-                     if p.name[len("nvidia"):].isdigit())
-    return [str(i) for i in indices]
-
-
 def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
-    """The workers of a layout, or ConfigError when the layout cannot run here. (Overlapping
-    target and drafter GPUs are already refused by PipelineConfig.)"""
+    """The workers of a layout, or ConfigError when it names GPUs that are not visible here.
+    (PipelineConfig already refused layouts that cannot run anywhere.)"""
+    pipeline.check_visible_gpus(n_visible_gpus)
     if pipeline.device == "cuda":
-        if pipeline.target_workers or pipeline.drafter_workers:
-            raise ConfigError("pipeline: target_workers/drafter_workers are for device cpu; "
-                              "on cuda list the GPUs in target_gpus and drafter_gpus")
-        if not pipeline.target_gpus or not pipeline.drafter_gpus:
-            raise ConfigError(f"pipeline: device cuda needs at least one target GPU and one drafter GPU, got "
-                              f"target_gpus={pipeline.target_gpus} drafter_gpus={pipeline.drafter_gpus}")
-        for key in ("target_gpus", "drafter_gpus"):
-            gpus = getattr(pipeline, key)
-            if len(set(gpus)) != len(gpus):
-                raise ConfigError(f"pipeline.{key}: lists a GPU twice: {gpus}")
-            beyond = sorted(g for g in gpus if g >= n_visible_gpus)
-            if beyond:
-                raise ConfigError(f"pipeline.{key}: GPUs {beyond} do not exist here "
-                                  f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
         targets = [(g,) for g in pipeline.target_gpus]
         drafters = [(g,) for g in pipeline.drafter_gpus]
     else:
-        if pipeline.target_gpus or pipeline.drafter_gpus:
-            raise ConfigError("pipeline: target_gpus/drafter_gpus need device cuda; "
-                              "on cpu use target_workers and drafter_workers")
-        if pipeline.target_workers < 1 or pipeline.drafter_workers < 1:
-            raise ConfigError("pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers >= 1, "
-                              f"got {pipeline.target_workers} and {pipeline.drafter_workers}")
         targets = [()] * pipeline.target_workers
         drafters = [()] * pipeline.drafter_workers
     specs = [WorkerSpec(f"drafter{i}", "drafter", i, i, gpus) for i, gpus in enumerate(drafters)]

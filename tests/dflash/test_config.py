@@ -45,6 +45,9 @@ def test_example_config_is_valid_apart_from_its_target():
     ("run", {"resume": "yes"}, "run.resume: expected bool, got 'yes'"),
     ("pipeline", {"device": "tpu"}, "pipeline.device: must be one of cpu, cuda"),
     ("pipeline", {"target_gpus": [0, 1], "drafter_gpus": [1]}, "shares GPUs [1]"),
+    # A GPU layout on device cpu cannot start: validate must say so before a deploy stops a run.
+    ("pipeline", {"target_gpus": [0], "drafter_gpus": [1]}, "need device cuda"),
+    ("pipeline", {"device": "cuda", "target_gpus": [0, 0], "drafter_gpus": [1]}, "lists a GPU twice"),
 ])
 def test_bad_values_name_the_key_and_value(tiny_config, tmp_path, section, values, message):
     raw = tiny_config(tmp_path / "run", **{section: values})
@@ -74,9 +77,9 @@ def test_checks_against_the_target_on_disk(tiny_config, tmp_path):
         load_config(write(tmp_path, raw))
 
 
-def validate(path: Path) -> subprocess.CompletedProcess:
+def validate(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash.config", "validate", str(path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_validate_cli_exit_codes_and_messages(tiny_config, tmp_path):
@@ -97,3 +100,17 @@ def test_validate_cli_exit_codes_and_messages(tiny_config, tmp_path):
 
     missing = validate(bad_dir / "absent.yaml")
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_validate_refuses_a_gpu_layout_beyond_the_visible_gpus(tiny_config, tmp_path):
+    """The deploy validates in the container before it stops the running run: a layout that the
+    container's GPUs cannot hold must fail there, not when the new run starts."""
+    layout = {"device": "cuda", "target_gpus": [0, 1], "drafter_gpus": [2]}
+    raw = tiny_config(tmp_path / "run", pipeline=layout)
+    path = write(tmp_path, raw)
+    env = {"PATH": "/usr/bin:/bin"}
+    fits = validate(path, env={**env, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert fits.returncode == 0, fits.stderr
+    too_few = validate(path, env={**env, "CUDA_VISIBLE_DEVICES": "0"})
+    assert too_few.returncode == 2
+    assert "pipeline.target_gpus: GPUs [1] do not exist here (1 visible" in too_few.stderr
