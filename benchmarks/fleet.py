@@ -14,7 +14,7 @@ apart, and "without start" subtracts it.
 Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
 (the same figures as `profile_tasks`), grouped by kind of work: the node checks over ssh, container
 tasks through `proxmox_pct_remote` (ssh to the node, then `pct exec`; a file goes as `cat > dest`),
-the venv and the wheel's pip install, the probe that imports torch in the container, and so on. On
+the venv and the wheel's pip install, the probe of the venv in the container, and so on. On
 the largest sim, before its deploy, it also times the connection alone: raw ssh, raw `pct exec`, an
 Ansible ping through each connection, and a copy of a small and a larger file.
 
