@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 from .host import PACKAGE_BIN, SimError
 
@@ -93,14 +94,23 @@ lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0
 lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0
 lxc.mount.entry = /proc {HOST_PROC_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
 """ + "".join(f"lxc.mount.entry = {p} {p.lstrip('/')} none bind,ro,create=dir 0 0\n"
-            for p in _hidden_pythons())
+            for p in _hidden_controller_paths())
 
 
-def _hidden_pythons():
-    """The python the project's venv is built on, when it lives under the node's /root (pyenv): the
-    container's /root is its own, so that python is bound in read-only to keep the venv usable."""
-    base = os.path.realpath(sys.base_prefix)
-    return [base] if base.startswith("/root/") else []
+# Paths where the container has its own filesystem (its own /root, tmpfs on /tmp and /run), so the
+# node's files there are hidden inside.
+CONTAINER_PRIVATE = ("/root", "/tmp", "/run", "/dev/shm")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hidden_controller_paths():
+    """What the containers must see of the machine but would not: the python the venv is built on
+    (pyenv lives under /root), the venv and the project itself when they sit under a private path
+    (a checkout in /tmp, say). They are bound in read-only at the same paths."""
+    wanted = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, PROJECT_ROOT)}
+    hidden = sorted(p for p in wanted if any(p == d or p.startswith(d + "/") for d in CONTAINER_PRIVATE))
+    # A path inside another bound path comes with it.
+    return [p for p in hidden if not any(p != q and p.startswith(q + "/") for q in hidden)]
 
 
 # Debian's root dotfiles (base-files ships them); the fallbacks say the same in fewer words.

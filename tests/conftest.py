@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+# The module tests import ansible's module_utils, which replaces sys.intern with an object; torch's
+# compiler, imported later by transformers in the trainer tests of the same process, then fails to
+# wrap sys.intern ("substitute_in_graph expects a function"). Importing it first keeps both usable.
+# (In production the two never share a process.)
+import torch._dynamo  # noqa: E402, F401, I001
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
