@@ -110,11 +110,8 @@ def run_size(n: int, args, work: Path, probes: bool) -> dict:
     try:
         probe = probe_connection(fleet, vmids, args.probe_repeats) if probes else None
         extra = ["-e", f"dflash_fleet_serial={args.serial}"] if args.serial else []
-        wall, res = simbench.timed_play(fleet, "deploy.yml", *extra)
-        if args.keep_json:
-            simbench.dump(args.keep_json / f"fleet-deploy-{n}.json", res.data)
-        if res.rc != 0:
-            raise SystemExit(f"deploy.yml to {n} containers failed:\n{res}")
+        keep = args.keep_json / f"fleet-deploy-{n}.json" if args.keep_json else None
+        wall, res = simbench.timed_play(fleet, "deploy.yml", *extra, keep_json=keep)
         rows = simbench.task_rows(res.data)
         cats = simbench.summarize_categories(rows)
         start_s = cats["run start + health (waits, polls, gpu_verify)"]["seconds"]

@@ -72,9 +72,17 @@ def timed(fn, *args, **kwargs):
     return time.monotonic() - started, out
 
 
-def timed_play(fleet: Fleet, playbook: str, *args, timeout=1200):
-    """(wall seconds, PlayResult) of one ansible-playbook run, process start to exit."""
-    return timed(fleet.play, playbook, *args, timeout=timeout)
+def timed_play(fleet: Fleet, playbook: str, *args, keep_json: Path | None = None, timeout=1200):
+    """(wall seconds, PlayResult) of one ansible-playbook run, process start to exit. The play's
+    ansible.posix.json output is also written to `keep_json` when given; a failed play ends the
+    benchmark with its output."""
+    wall, res = timed(fleet.play, playbook, *args, timeout=timeout)
+    if keep_json:
+        keep_json.parent.mkdir(parents=True, exist_ok=True)
+        keep_json.write_text(json.dumps(res.data))
+    if res.rc != 0:
+        raise SystemExit(f"{playbook} {' '.join(args)} failed:\n{res}")
+    return wall, res
 
 
 def _ts(text: str) -> float:
@@ -170,6 +178,3 @@ def ansible_adhoc(inventory, pattern, module, args=None, timeout=300, verbose=Fa
     return time.monotonic() - started, res
 
 
-def dump(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))

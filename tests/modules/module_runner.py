@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from pvesim.procs import is_alive as alive  # live and not a zombie
+
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "library"
 VENV_BIN = Path(sys.executable).parent
@@ -70,16 +72,6 @@ def playbook_results(playbook, inventory, host, timeout=120):
     argv = [str(VENV_BIN / "ansible-playbook"), "-i", inventory, str(playbook)]
     tasks = [task for play in ansible_json(argv, timeout=timeout)["plays"] for task in play["tasks"]]
     return [task["hosts"][host] for task in tasks if host in task["hosts"]]
-
-
-def alive(pid):
-    """True when pid runs and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            text = stat_file.read()
-    except OSError:
-        return False
-    return text[text.rfind(")") + 2] not in "ZX"
 
 
 def wait_for(predicate, timeout=10.0, interval=0.05):
