@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server
 PYTEST_ARGS ?=
 
-.PHONY: help setup test lint bench demo sim-up sim-down clean
+.PHONY: help setup test test-reliability lint bench demo sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ $(STAMP): pyproject.toml
 
 test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-reliability: setup ## The full reliability suite (randomised trials at the counts the README reports).
+	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
 lint: setup ## ruff, yamllint and ansible-lint (production profile).
 	$(VENV)/bin/ruff check dflash pvesim library tests benchmarks
