@@ -4,9 +4,10 @@ Each size gets its own pvesim (own state dir under a temp dir, taken down in a `
 containers 200.. spread over the nodes in contiguous blocks, and one `deploy.yml
 -e dflash_fleet_start_run=false` (node checks, the trainer's venv, the release validated and made
 live; no run started) with the project's ansible.cfg (its forks, 10) and the playbook's default
-rollout (`serial: [1, '100%']`: the first container alone, then the rest together). Reported per
-size: the wall time and its ratio to one container. `--with-start` lets deploy.yml start the run
-too (the sim's tiny CPU run), and shows that part apart.
+rollout (one batch without the run's start; with it, `serial: [1, '100%']`: the first container
+alone, then the rest together; `--serial` passes another). Reported per size: the wall time and
+its ratio to one container. `--with-start` lets deploy.yml start the run too (the sim's tiny CPU
+run), and shows that part apart.
 
 Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
 (the same figures as `profile_tasks`), grouped by kind of work: the node checks over ssh, container
@@ -238,7 +239,8 @@ def parse_args(argv):
                         help="numbers of containers, each in a fresh sim (the first is the reference)")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (fewer when fewer containers)")
     parser.add_argument("--serial", default=None,
-                        help="pass -e dflash_fleet_serial=VALUE (default: the playbook's [1, '100%%'])")
+                        help="pass -e dflash_fleet_serial=VALUE (default: the playbook's: 100%% without "
+                             "the run's start, [1, '100%%'] with it)")
     parser.add_argument("--with-start", action="store_true",
                         help="let deploy.yml start the run too (its start and health shown apart)")
     parser.add_argument("--no-probes", action="store_true", help="skip the connection-alone timings")
@@ -268,7 +270,8 @@ def main(argv=None) -> int:
     print(json.dumps({
         "benchmark": "fleet", "cpus": os.cpu_count(), "loadavg_start": load_start,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": configured_forks(),
-        "serial": args.serial or "[1, '100%'] (playbook default)", "run_started": args.with_start,
+        "serial": args.serial or ("[1, '100%']" if args.with_start else "100%") + " (playbook default)",
+        "run_started": args.with_start,
         "sizes": results, **verdict,
         "total_s": round(time.monotonic() - started, 1),
     }))
