@@ -3,7 +3,7 @@
 Each benchmark is a script that prints a human table and, as its last line, one JSON object with
 its figures. This runner starts each in its own process (so one's memory and threads cannot skew
 another's), streams its output, keeps the JSON line in `benchmarks/results/<name>.json`, and ends
-with each benchmark's wall time and the total (all four: about 10 minutes on 2 quiet cores).
+with each benchmark's wall time and the total (BENCHMARKS.md has the last figures).
 Larger or smaller sizes: run a script alone with the flags of its `--help`.
 """
 
