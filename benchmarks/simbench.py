@@ -128,7 +128,7 @@ def categorize(row: dict) -> str | None:
         return "node checks (ssh to the node)"
     if role == "dflash_run" and file == "stop.yml":
         return "run stop + GPU idle check"
-    if role == "dflash_run" and file in ("start.yml", "health.yml"):
+    if role == "dflash_run" and file in ("start.yml", "launch.yml", "health.yml"):
         return "run start + health (waits, polls, gpu_verify)"
     if action in TRANSFER:
         return "file transfer (cat through pct exec)"
