@@ -106,7 +106,8 @@ CASES = [
     # The inventory and the variables: checked on the controller before any connection.
     Case("Invalid YAML in a variables file (`-e @vars.yml`)", RESTART, CT200, broken_vars_file,
          words=("YAML parsing failed: Tabs are usually invalid in YAML", "vars.yml:2:1")),
-    Case("A container without the connection settings", RESTART, CT200, no_connection_settings, own_inventory_gone,
+    Case("A container without the connection settings", RESTART, CT200, no_connection_settings,
+         own_inventory_gone,
          words=("ct200: a training container needs ansible_connection: community.proxmox.proxmox_pct_remote",
                 'ansible_connection is "ssh"')),
     Case("A `proxmox_vmid` that is not a number", RESTART, CT200 + ("-e", "proxmox_vmid=ct200"),
@@ -131,7 +132,8 @@ CASES = [
     Case("`nvidia-smi` missing in the container", RESTART, CT200, hide_nvidia_smi, restore_nvidia_smi,
          words=("nvidia-smi is missing in CT 200", "Install the NVIDIA driver's user-space tools")),
     Case("`nvidia-smi` failing with a driver error", RESTART, CT200, break_gpu_driver, restore_nvidia_smi,
-         words=("nvidia-smi fails in CT 200", "couldn't communicate with the NVIDIA driver", "Check the driver"),
+         words=("nvidia-smi fails in CT 200", "couldn't communicate with the NVIDIA driver",
+                "Check the driver"),
          fast=True),
     Case("A GPU layout beyond the container's GPUs", RESTART,
          CT200 + extra(dflash_release_device="cuda", dflash_release_target_gpus=[0, 1, 2, 3, 4],
@@ -145,13 +147,17 @@ CASES = [
          CT200 + extra(dflash_release_settings={"data": {"batch_size": "four"}}),
          words=("data.batch_size: expected int, got 'four'", "Fix dflash_release_settings.data.batch_size"),
          fast=True),
-    Case("A missing target model path", RESTART, CT200 + ("-e", "dflash_release_target_path=/srv/models/missing"),
+    Case("A missing target model path", RESTART,
+         CT200 + ("-e", "dflash_release_target_path=/srv/models/missing"),
          words=("model.target_path: no model at '/srv/models/missing'", "Fix dflash_release_target_path")),
-    Case("A missing training data file", RESTART, CT200 + ("-e", "dflash_release_data_path=/srv/data/missing.jsonl"),
+    Case("A missing training data file", RESTART,
+         CT200 + ("-e", "dflash_release_data_path=/srv/data/missing.jsonl"),
          words=("data.path: no file at '/srv/data/missing.jsonl'", "Fix dflash_release_data_path")),
-    Case("An unwritable release directory", RESTART, CT200 + ("-e", "dflash_release_output_dir=/var/lib/dflash/runs/b"),
+    Case("An unwritable release directory", RESTART,
+         CT200 + ("-e", "dflash_release_output_dir=/var/lib/dflash/runs/b"),
          read_only_releases,
-         writable_releases, words=("/opt/dflash/releases", "Read-only file system")),
+         writable_releases,
+         words=("/opt/dflash/releases", "Read-only file system", "The container cannot write there")),
 ]
 
 
@@ -164,8 +170,11 @@ def fleet(tmp_path_factory):
     f.down()
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if c.fast else pytest.mark.reliability_full)
-                                  for c in CASES])
+def as_param(case):
+    return pytest.param(case, id=case.id, marks=() if case.fast else pytest.mark.reliability_full)
+
+
+@pytest.mark.parametrize("case", [as_param(c) for c in CASES])
 def test_bad_input_fails_clearly_and_leaves_the_runs_alone(fleet, case, tmp_path):
     before = {vmid: RunSnapshot.take(fleet, vmid) for vmid in CONTAINERS}
     assert all(snapshot.alive for snapshot in before.values()), before

@@ -104,7 +104,8 @@ def test_a_changed_host_key_is_refused_until_known_hosts_is_updated(fleet):
     finally:
         fleet.sim.trust_host_keys()  # what the operator does after checking the new key
     assert res.rc != 0, str(res)
-    assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in shown(res) or "Host key verification failed" in shown(res)
+    message = shown(res)
+    assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in message or "Host key verification failed" in message
     assert ping.returncode != 0 and "host key mismatch for 127.0.0.2" in ping.stdout, ping.stdout
     assert snapshots(fleet) == before  # nothing was touched
 

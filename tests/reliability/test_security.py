@@ -18,7 +18,8 @@ from pvesim.sim import Sim, SimNode, inventory_data
 SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
 # Where host key checking could be turned off: Ansible's config, the inventories, the playbooks and
 # roles, the simulation, the scripts and the CI entry points.
-SCANNED = ["ansible.cfg", "Makefile", ".ci", "inventory", "playbooks", "roles", "pvesim", "scripts", "tests/molecule"]
+SCANNED = ["ansible.cfg", "Makefile", ".ci", "inventory", "playbooks", "roles", "pvesim", "scripts",
+           "tests/molecule"]
 CHECKING_OFF = re.compile(
     r"StrictHostKeyChecking\s*[= ]\s*(no|off|accept-new)\b|UserKnownHostsFile\s*[= ]\s*/dev/null"
     r"|host_key_checking\s*[:=]\s*[\"']?(false|no|off|0)\b|HOST_KEY_CHECKING\s*[:=]\s*[\"']?(false|no|off|0)\b"
@@ -55,9 +56,9 @@ def test_the_sim_inventory_checks_host_keys_against_its_own_known_hosts(tmp_path
 
 
 def production_example_vars():
-    res = subprocess.run([str(VENV_BIN / "ansible-inventory"), "-i", str(REPO / "inventory" / "production.example"),
-                          "--list", "--export"], env=ansible_env(), capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    argv = [str(VENV_BIN / "ansible-inventory"), "-i", str(REPO / "inventory" / "production.example"),
+            "--list", "--export"]
+    res = subprocess.run(argv, env=ansible_env(), capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
 
@@ -77,7 +78,8 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
     empty.write_text("")
     inventory = yaml.safe_load(sim.inventory_path.read_text())
     node = inventory["all"]["children"]["proxmox_hosts"]["hosts"]["pve1"]
-    node["ansible_ssh_common_args"] = node["ansible_ssh_common_args"].replace(str(sim.known_hosts), str(empty))
+    node["ansible_ssh_common_args"] = node["ansible_ssh_common_args"].replace(str(sim.known_hosts),
+                                                                              str(empty))
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
 
     def ping(pattern):
@@ -94,13 +96,15 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
     finally:
         sim.trust_host_keys()
     assert container_ping.returncode != 0
-    assert "authenticity of host '127.0.0.2' can't be established" in container_ping.stdout, container_ping.stdout
+    refused = "authenticity of host '127.0.0.2' can't be established"
+    assert refused in container_ping.stdout, container_ping.stdout
     # The same pings pass with the sim's known hosts: the refusals above were the host keys' doing.
     assert ping("ct350").returncode == 0
 
 
 def sudo_rules():
-    return [line.strip() for line in SUDOERS.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = [line.strip() for line in SUDOERS.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def test_the_sudo_rule_grants_pct_and_nothing_else():
