@@ -109,7 +109,7 @@ CASES = [
     Case("A container without the connection settings", RESTART, CT200, no_connection_settings,
          own_inventory_gone,
          words=("ct200: a training container needs ansible_connection: community.proxmox.proxmox_pct_remote",
-                'ansible_connection is "ssh"')),
+                'ansible_connection is "unset"')),
     Case("A `proxmox_vmid` that is not a number", RESTART, CT200 + ("-e", "proxmox_vmid=ct200"),
          words=("needs proxmox_vmid, its numeric CT id", 'proxmox_vmid is "ct200"')),
     Case("A `proxmox_node` that is not in the inventory", RESTART, CT200 + ("-e", "proxmox_node=pve9"),
