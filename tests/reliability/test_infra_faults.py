@@ -2,7 +2,8 @@
 unreachable, a node whose host key changes. Each gives a clear error, leaves nothing half-done, and
 a rerun recovers once the fault is gone.
 
-One fleet for the module: pve1 with CT 200, pve2 with CT 201, a run in each (deployed once).
+One fleet for the module: pve1 with CT 200, pve2 with CT 201, a run in each (deployed once). All of
+it runs under `make test-reliability` only (`make test` checks host keys in test_security.py).
 """
 
 import json
@@ -94,6 +95,7 @@ def test_an_unreachable_node_stops_the_rollout_and_a_rerun_converges(fleet):
     assert on_live_release(fleet, 201)
 
 
+@pytest.mark.reliability_full
 def test_a_changed_host_key_is_refused_until_known_hosts_is_updated(fleet):
     before = snapshots(fleet)
     fleet.sim.rotate_host_key("pve1")
