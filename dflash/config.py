@@ -323,9 +323,18 @@ def check_against_target(cfg: TrainConfig) -> None:
                           f"(ids 0..{vocab_size - 1})")
 
 
+def check_data(cfg: TrainConfig) -> None:
+    """The training data is a file on this machine."""
+    path = Path(cfg.data.path)
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "no file"
+        raise ConfigError(f"data.path: {what} at {cfg.data.path!r} (expected a JSON-lines file)")
+
+
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
-    `check_target` also checks it against this machine: the target on disk, the visible GPUs."""
+    `check_target` also checks it against this machine: the target and the data on disk, the
+    visible GPUs."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -336,6 +345,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     cfg = config_from_dict(raw)
     if check_target:
         check_against_target(cfg)
+        check_data(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
     return cfg
 
@@ -351,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="exit 0 if the config is valid, else print why and exit 2")
     validate.add_argument("config", help="path to the YAML training config")
     validate.add_argument("--no-target-check", action="store_true",
-                          help="skip the checks that need this machine: the target model on disk, "
-                               "the GPUs of the layout")
+                          help="skip the checks that need this machine: the target model and the data "
+                               "on disk, the GPUs of the layout")
     args = parser.parse_args(argv)
     try:
         load_config(args.config, check_target=not args.no_target_check)

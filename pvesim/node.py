@@ -47,10 +47,19 @@ class NodeFiles:
         self.pve_confdir = self.root / "pve" / "lxc"
         self.bin = self.root / "bin"
         self.host_key = self.root / "ssh_host_ed25519_key"
+        self.host_key_pub = self.root / "ssh_host_ed25519_key.pub"
+        # Paths that do not exist for the node's sessions, one a line (Sim.hide_on_node).
+        self.hidden_list = self.root / "hidden.list"
         self.sshd_config = self.root / "sshd_config"
         self.pidfile = self.root / "sshd.pid"
         self.log = self.root / "sshd.log"
         self.gpu_config = self.root / "nvidia-smi.json"
+
+    def hidden_paths(self):
+        try:
+            return [line for line in self.hidden_list.read_text().splitlines() if line]
+        except FileNotFoundError:
+            return []
 
     def session_env(self):
         """What every ssh session on this node gets; pct reads PVESIM_STATE_DIR and PVESIM_NODE."""
@@ -97,12 +106,34 @@ LogLevel INFO
     return host_key
 
 
+# Run in a private mount namespace, this hides each path given as an argument behind an overlay
+# whiteout (the path is gone, its directory's other entries stay), then execs the rest of the argv.
+HIDE_SCRIPT = """\
+set -e
+top=$1; shift
+while [ "$1" != -- ]; do
+  dir=$(dirname "$1"); name=$(basename "$1"); layer=$top/$(echo "$dir" | tr / _)
+  mkdir -p "$layer/upper" "$layer/work"
+  [ -e "$layer/upper/$name" ] || mknod "$layer/upper/$name" c 0 0
+  mount -t overlay overlay -o "lowerdir=$dir,upperdir=$layer/upper,workdir=$layer/work" "$dir"
+  shift
+done
+shift
+exec "$@"
+"""
+
+
 def start_sshd(files, address, port):
-    """Start the node's sshd (it daemonizes itself); return (pid, start time)."""
+    """Start the node's sshd (it daemonizes itself); return (pid, start time). While the node has
+    hidden paths (`files.hidden`), sshd runs in its own mount namespace where they do not exist."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     files.pidfile.unlink(missing_ok=True)
-    res = subprocess.run([SSHD, "-f", str(files.sshd_config), "-E", str(files.log)],
-                         stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    argv = [SSHD, "-f", str(files.sshd_config), "-E", str(files.log)]
+    hidden = files.hidden_paths()
+    if hidden:
+        argv = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", HIDE_SCRIPT, "sh",
+                str(files.root / "hidden"), *hidden, "--", *argv]
+    res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if res.returncode != 0:
         raise SimError(f"sshd of {files.name} did not start on {address}:{port}: "
                         f"{res.stderr.strip()} {tail(files.log)}")

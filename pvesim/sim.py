@@ -84,6 +84,61 @@ class Sim:
         return subprocess.run([*self.ssh_argv(node_name), command], timeout=timeout,
                               stdin=kw.pop("stdin", subprocess.DEVNULL), **kw)
 
+    def stop_node(self, name):
+        """Make a node unreachable: stop its sshd (and every session under it). Its containers and
+        what runs in them go on, as on a node whose network is down."""
+        n = self.node(name)
+        node.stop_sshd(_node_files(self, name), n.sshd_pid, n.sshd_started)
+        n.sshd_pid = n.sshd_started = None
+        self.save()
+
+    def start_node(self, name):
+        """Make a stopped node reachable again: its sshd on the same address, port and host key."""
+        n = self.node(name)
+        if procs.is_alive(n.sshd_pid, n.sshd_started):
+            return
+        n.sshd_pid, n.sshd_started = node.start_sshd(_node_files(self, name), n.address, n.port)
+        self.save()
+
+    def rotate_host_key(self, name):
+        """Give a node a new host key (a reinstalled node, or a machine in the middle): its sshd
+        restarts with it, and the known_hosts files keep the old key until `trust_host_keys()`."""
+        files = _node_files(self, name)
+        files.host_key.unlink(missing_ok=True)
+        files.host_key_pub.unlink(missing_ok=True)
+        node.keygen(files.host_key, f"root@{name}")
+        self.stop_node(name)
+        self.start_node(name)
+
+    def hide_on_node(self, name, paths=()):
+        """Make `paths` (absolute files) not exist for the node's sessions, e.g. ["/usr/sbin/pct"] for a
+        machine that is not a Proxmox VE node; `paths=()` shows them again. The node's sshd restarts in
+        a mount namespace of its own (the nodes share this machine's filesystem), so sessions open
+        on the node end."""
+        files = _node_files(self, name)
+        for path in paths:
+            if not str(path).startswith("/") or not Path(path).parent.is_dir():
+                raise SimError(f"cannot hide {path!r}: not an absolute path in an existing directory")
+        files.hidden_list.write_text("".join(f"{p}\n" for p in paths))
+        self.stop_node(name)
+        self.start_node(name)
+
+    def host_key_lines(self):
+        """The known_hosts line of each node's current host key."""
+        lines = []
+        for n in self.nodes:
+            key = _node_files(self, n.name).host_key_pub.read_text().split()[:2]
+            lines.append(f"[{n.address}]:{n.port} {key[0]} {key[1]}")
+        return lines
+
+    def trust_host_keys(self):
+        """Write the nodes' current host keys to the sim's known_hosts (what ssh reads) and to its block
+        of the system known_hosts (what the containers' connection reads): what an operator does
+        after checking a changed key."""
+        lines = self.host_key_lines()
+        self.known_hosts.write_text("".join(f"{line}\n" for line in lines))
+        host.set_system_known_hosts(self.state_dir, lines)
+
     def to_json(self):
         data = asdict(self)
         data["state_dir"], data["inventory_path"] = str(self.state_dir), str(self.inventory_path)
@@ -208,20 +263,17 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory):
     client_key = node.keygen(sim.private_key, "pvesim")
     authorized_keys = state_dir / "authorized_keys"
     authorized_keys.write_text(" ".join(client_key) + " pvesim\n")
-    known_hosts = []
     for n in sim.nodes:
         files = _node_files(sim, n.name)
         gpus_of_node = container.node_gpus(tag, n.name, gpus)
         n.port = node.free_port(n.address)
-        key = node.write_node(files, n.address, n.port, authorized_keys,
-                              container.node_gpu_config(tag, gpus_of_node, n.containers))
+        node.write_node(files, n.address, n.port, authorized_keys,
+                        container.node_gpu_config(tag, gpus_of_node, n.containers))
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
-        known_hosts.append(f"[{n.address}]:{n.port} {key[0]} {key[1]}")
         for vmid in n.containers:
             container.write_container(files, tag, vmid, gpus_of_node)
-    sim.known_hosts.write_text("".join(f"{line}\n" for line in known_hosts))
-    host.set_system_known_hosts(state_dir, known_hosts)
+    sim.trust_host_keys()
     _ensure_running(sim)
     write_inventory(sim)
     return sim

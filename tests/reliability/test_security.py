@@ -1,0 +1,161 @@
+"""Security basics: host key checking stays on everywhere and an unknown key is refused by a real
+connection; the sudo rule for a non-root node user grants /usr/sbin/pct and nothing else."""
+
+import configparser
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from input_support import REPO
+from roles_support import VENV_BIN, ansible_env
+
+from pvesim import host
+from pvesim.sim import Sim, SimNode, inventory_data
+
+SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
+# Where host key checking could be turned off: Ansible's config, the inventories, the playbooks and
+# roles, the simulation, the scripts and the CI entry points.
+SCANNED = ["ansible.cfg", "Makefile", ".ci", "inventory", "playbooks", "roles", "pvesim", "scripts",
+           "tests/molecule"]
+CHECKING_OFF = re.compile(
+    r"StrictHostKeyChecking\s*[= ]\s*(no|off|accept-new)\b|UserKnownHostsFile\s*[= ]\s*/dev/null"
+    r"|host_key_checking\s*[:=]\s*[\"']?(false|no|off|0)\b|HOST_KEY_CHECKING\s*[:=]\s*[\"']?(false|no|off|0)\b"
+    r"|host_key_auto_add\s*[:=]\s*[\"']?(true|yes|on|1)\b", re.IGNORECASE)
+
+
+def scanned_files():
+    for name in SCANNED:
+        path = REPO / name
+        for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+            if "__pycache__" not in f.parts and f.suffix not in (".pyc", ".png"):
+                yield f
+
+
+def test_host_key_checking_is_on_in_the_config_and_never_turned_off():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "ansible.cfg")
+    assert cfg.getboolean("defaults", "host_key_checking") is True
+    offending = [f"{f.relative_to(REPO)}: {m.group(0)}" for f in scanned_files()
+                 for m in CHECKING_OFF.finditer(f.read_text(errors="replace"))]
+    assert offending == []
+    assert len(list(scanned_files())) > 50  # the scan saw the tree, not an empty list
+
+
+def test_the_sim_inventory_checks_host_keys_against_its_own_known_hosts(tmp_path):
+    sim = Sim(state_dir=tmp_path, nodes=[SimNode("pve1", "127.0.0.2", 2222, [200])], gpus=1,
+              inventory_path=tmp_path / "hosts.yml")
+    data = inventory_data(sim)["all"]["children"]
+    node = data["proxmox_hosts"]["hosts"]["pve1"]
+    assert f"UserKnownHostsFile={tmp_path / 'known_hosts'}" in node["ansible_ssh_common_args"]
+    assert "StrictHostKeyChecking=yes" in node["ansible_ssh_common_args"]
+    container = data["training_containers"]["hosts"]["ct200"]
+    assert not [k for k in container if "host_key" in k]  # the container's connection keeps its default: on
+
+
+def production_example_vars():
+    argv = [str(VENV_BIN / "ansible-inventory"), "-i", str(REPO / "inventory" / "production.example"),
+            "--list", "--export"]
+    res = subprocess.run(argv, env=ansible_env(), capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return yaml.safe_load(res.stdout)
+
+
+def test_the_production_example_keeps_host_key_checking_on():
+    inventory = production_example_vars()
+    text = yaml.safe_dump(inventory)
+    assert "pve1" in text and "ct200" in text
+    assert not CHECKING_OFF.search(text)
+    assert "host_key_checking" not in text
+
+
+@pytest.mark.sim
+def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connections(sim_factory, tmp_path):
+    sim = sim_factory(nodes=1, containers=(350,), gpus=1)
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    inventory = yaml.safe_load(sim.inventory_path.read_text())
+    node = inventory["all"]["children"]["proxmox_hosts"]["hosts"]["pve1"]
+    node["ansible_ssh_common_args"] = node["ansible_ssh_common_args"].replace(str(sim.known_hosts),
+                                                                              str(empty))
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+
+    def ping(pattern):
+        return subprocess.run([str(VENV_BIN / "ansible"), "-i", str(tmp_path / "hosts.yml"), pattern, "-m",
+                               "ansible.builtin.ping"], env=ansible_env(), capture_output=True, text=True,
+                              cwd=REPO, timeout=120, stdin=subprocess.DEVNULL)
+
+    # pvesim also puts its keys in the system known_hosts (ssh's global file, and the one the containers'
+    # paramiko connection reads): without them, and with an empty user file, no key of the node is known.
+    host.remove_system_known_hosts(sim.state_dir)
+    try:
+        node_ping, container_ping = ping("pve1"), ping("ct350")
+    finally:
+        sim.trust_host_keys()
+    assert node_ping.returncode != 0 and "UNREACHABLE" in node_ping.stdout
+    assert "Host key verification failed" in node_ping.stdout, node_ping.stdout
+    # The containers' connection (paramiko) asks to confirm an unknown key on a terminal, and without
+    # one it gives up: either way it does not connect and records nothing.
+    assert container_ping.returncode != 0 and "UNREACHABLE" in container_ping.stdout
+    assert ("authenticity of host '127.0.0.2' can't be established" in container_ping.stdout
+            or "stdin is not interactive" in container_ping.stdout), container_ping.stdout
+    user_known_hosts = Path.home() / ".ssh" / "known_hosts"
+    port = sim.node("pve1").port
+    assert not user_known_hosts.exists() or f"[127.0.0.2]:{port}" not in user_known_hosts.read_text()
+    # The same pings pass once the keys are known again: the refusals above were the host keys' doing.
+    assert ping("pve1").returncode == 0 and ping("ct350").returncode == 0
+
+
+def sudo_rules():
+    lines = [line.strip() for line in SUDOERS.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_sudo_rule_grants_pct_and_nothing_else():
+    rules = sudo_rules()
+    assert len(rules) == 1
+    match = re.fullmatch(r"(?P<user>[a-z_][a-z0-9_-]*)\s+(?P<hosts>\S+)\s*=\s*\((?P<runas>[^)]*)\)\s*"
+                         r"(?P<tags>(?:[A-Z_]+:\s*)*)(?P<commands>.+)", rules[0])
+    assert match, rules[0]
+    assert match["runas"] == "root"
+    assert match["tags"].split() == ["NOPASSWD:"]
+    assert [c.strip() for c in match["commands"].split(",")] == ["/usr/sbin/pct"]
+    # The inventory's README and hosts.yml show the same rule and point at the file.
+    for doc in ("README.md", "hosts.yml"):
+        assert "sudoers.d/ansible_pct" in (SUDOERS.parents[1] / doc).read_text()
+    assert rules[0] in (SUDOERS.parents[1] / "README.md").read_text()
+
+
+def test_the_node_role_runs_nothing_but_pct_as_root():
+    """Every command proxmox_host runs on the node goes through pct's argv prefix (sudo -n /usr/sbin/pct
+    for a non-root user), so the sudo rule above is all a non-root node user needs."""
+    commands = []
+    for path in sorted((REPO / "roles" / "proxmox_host" / "tasks").glob("*.yml")):
+        for task in yaml.safe_load(path.read_text()) or []:
+            for module in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.raw"):
+                if module in task:
+                    commands.append((path.name, module, task[module]))
+    assert commands, "proxmox_host runs no command at all?"
+    for name, module, args in commands:
+        assert module == "ansible.builtin.command", f"{name}: {module}"
+        assert str(args["argv"]).startswith("{{ __proxmox_host_pct_argv +"), f"{name}: {args['argv']}"
+    pct_argv = yaml.safe_load((REPO / "roles" / "proxmox_host" / "vars" / "main.yml").read_text())
+    assert pct_argv["__proxmox_host_pct_argv"] == (
+        "{{ (['sudo', '-n'] if proxmox_host_pct_sudo | bool else []) + [proxmox_host_pct_path] }}")
+
+
+@pytest.mark.skipif(not shutil.which("visudo"), reason="visudo is not installed (apt-get install sudo)")
+def test_visudo_accepts_the_sudo_rule(tmp_path):
+    copy = tmp_path / "ansible_pct"
+    copy.write_text(SUDOERS.read_text())
+    copy.chmod(0o440)
+    res = subprocess.run(["visudo", "-cf", str(copy)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_sudo_rule_names_the_path_the_roles_use():
+    defaults = yaml.safe_load((REPO / "roles" / "proxmox_host" / "defaults" / "main.yml").read_text())
+    assert defaults["proxmox_host_pct_path"] == "/usr/sbin/pct"
+    assert Path(sudo_rules()[0].rsplit(None, 1)[1]) == Path(defaults["proxmox_host_pct_path"])
