@@ -70,7 +70,7 @@ print(json.dumps(started))
 """
 
 # argv: a JSON list of [pid, start time]; SIGKILLs each session those processes lead, only while
-# the leader still has its start time (a reused pid is left alone).
+# the leader still has its start time (a reused pid is left alone), and prints the pids signalled.
 KILL_SESSIONS = r"""
 import json, os, signal, sys, time
 def stat(pid):
@@ -81,14 +81,17 @@ def stat(pid):
         return None
     return text[text.rfind(")") + 2:].split()
 leaders = [pid for pid, start in json.loads(sys.argv[1]) if (stat(pid) or [0] * 20)[19] == str(start)]
+killed = []
 for entry in os.listdir("/proc"):
     fields = stat(entry) if entry.isdigit() else None
     if fields and int(fields[3]) in leaders:
         try:
             os.kill(int(entry), signal.SIGKILL)
+            killed.append(int(entry))
         except ProcessLookupError:
             pass
 time.sleep(0.2)
+print(json.dumps(killed))
 """
 
 # A zombie whose parent lives: prints [zombie pid, its start time, parent pid, parent start time].
