@@ -20,7 +20,11 @@ description:
     child that called setsid has left the group), waits O(stop_timeout), sends SIGKILL, waits
     O(kill_timeout) and confirms that none of them is left.
   - A stale pidfile (dead pid, zombie, or pid reused by another process) is removed without
-    signalling anything. Processes are never chosen by command line or name.
+    signalling anything. One that names nothing (empty, truncated, not JSON, missing fields) is
+    stale too, and is kept for inspection as C(<pidfile>.unreadable-<UTC time>). Processes are never
+    chosen by command line or name.
+  - A pidfile that is not a regular file, not owned by the module's user, writable by other users,
+    or in a directory every user can write to, is never trusted; every state but V(status) fails.
 version_added: "0.1.0"
 author: dflash-ops contributors
 extends_documentation_fragment:
@@ -81,6 +85,29 @@ options:
       fails with the tail of O(log_path).
     type: float
     default: 1
+  wait_for:
+    description:
+      - A regular expression; after a start the module waits until a line the run appends to
+        O(log_path) matches it (its first training step, say). The run dying first fails the
+        module with the log's tail; no match within O(wait_timeout) fails it and leaves the run.
+    type: str
+  wait_timeout:
+    description: Seconds O(wait_for) may take.
+    type: float
+    default: 300
+  expect_pid:
+    description:
+      - The pid of the run the caller inspected earlier, or V(0) for no run. If a live run with
+        another pid holds the pidfile when the module acts (a concurrent deploy or an operator
+        started one), nothing is signalled or started and the module fails saying so. A run that
+        is gone counts as expected.
+    type: int
+  environment_file:
+    description:
+      - C(KEY=VALUE) lines added to the run's environment on V(started) and V(restarted), for
+        secrets (tokens), which never pass through the module's arguments or result. The file must
+        be owned by the module's user and readable by it alone (mode 0600).
+    type: path
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
@@ -95,6 +122,15 @@ EXAMPLES = r"""
     chdir: /opt/dflash/current
     environment:
       CUDA_VISIBLE_DEVICES: "0,1"
+
+- name: Restart the run if it is still the one inspected, and wait for its first step.
+  training_run:
+    name: main
+    state: restarted
+    command: [/opt/dflash/current/run.sh]
+    expect_pid: "{{ inspected.pid or 0 }}"
+    wait_for: '"event": *"step"'
+    environment_file: /var/lib/dflash/main.env
 
 - name: Ensure the training run is stopped (it checkpoints on SIGTERM).
   training_run:
@@ -150,8 +186,28 @@ previous_pid:
   description: Pid of the run V(restarted) stopped, or of the stale pidfile a start replaced.
   returned: when a pidfile existed before V(started) or V(restarted)
   type: int
+pidfile_problem:
+  description: Why the pidfile names no run (empty, not JSON, missing fields).
+  returned: when the pidfile was unreadable
+  type: str
+pidfile_unsafe:
+  description: Why the pidfile is not trusted (owner, mode, directory).
+  returned: when it is not
+  type: str
+set_aside:
+  description: Where an unreadable pidfile was moved.
+  returned: when an unreadable pidfile was acted on
+  type: str
+startup_seconds:
+  description: Seconds from the start until the run had lived O(startup_wait) and matched O(wait_for).
+  returned: after a start
+  type: float
+progress:
+  description: The log line that matched O(wait_for).
+  returned: after a start with O(wait_for)
+  type: str
 log_tail:
-  description: End of O(log_path) when the run died at start.
+  description: End of O(log_path) when the run died at start or did not match O(wait_for).
   returned: on start failure
   type: str
 """
@@ -159,6 +215,7 @@ log_tail:
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -167,6 +224,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from stat import S_IMODE, S_ISLNK, S_ISREG, S_ISVTX
 from typing import NamedTuple
 
 from ansible.module_utils.basic import AnsibleModule
@@ -174,8 +232,8 @@ from ansible.module_utils.basic import AnsibleModule
 PROC = "/proc"
 POLL_SECONDS = 0.2
 LOG_TAIL_BYTES = 4096
-# A pidfile this module did not write is never guessed at: nothing is signalled or removed.
-BY_HAND = "; inspect it and remove it by hand"
+# How a concurrent change is named in messages (a second playbook, or an operator).
+CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
 
 
 ARGUMENT_SPEC = dict(
@@ -189,6 +247,10 @@ ARGUMENT_SPEC = dict(
     stop_timeout=dict(type="float", default=120),
     kill_timeout=dict(type="float", default=10),
     startup_wait=dict(type="float", default=1),
+    wait_for=dict(type="str"),
+    wait_timeout=dict(type="float", default=300),
+    expect_pid=dict(type="int"),
+    environment_file=dict(type="path"),
 )
 
 
@@ -303,30 +365,75 @@ def still_running(tracked, table):
 # The pidfile
 
 
-def validate_record(data, path):
+class Unreadable(NamedTuple):
+    """A pidfile this module cannot trust the content of: stale, never acted on."""
+    problem: str
+
+
+def record_problem(data):
+    """Why a parsed pidfile is not a record this module wrote, or None."""
     if not isinstance(data, dict):
-        raise RunError(f"pidfile {path} does not hold a JSON object{BY_HAND}")
+        return "does not hold a JSON object"
     for key, minimum in (("pid", 1), ("pgid", 1), ("start_time", 0)):
         value = data.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise RunError(f"pidfile {path} has no valid '{key}' (got {value!r}){BY_HAND}")
-    return data
+            return f"has no valid '{key}' (got {value!r})"
+    return None
 
 
-def load_pidfile(path):
-    """The pidfile's record, or None when there is none."""
-    try:
-        with open(path) as pidfile:
-            text = pidfile.read()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+def parse_pidfile(text):
+    """The record, or Unreadable(why): an empty, truncated or hand-edited pidfile names nothing."""
+    if not text.strip():
+        return Unreadable("is empty")
     try:
         data = json.loads(text)
     except ValueError:
-        raise RunError(f"pidfile {path} is not JSON{BY_HAND}") from None
-    return validate_record(data, path)
+        return Unreadable("is not JSON (truncated or not written by training_run)")
+    problem = record_problem(data)
+    return Unreadable(problem) if problem else data
+
+
+def unsafe_reason(file_stat, dir_stat, euid):
+    """Why a pidfile must not be trusted (someone else could have written the pid in it), or None."""
+    if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
+        return "is not a regular file"
+    if file_stat.st_uid != euid:
+        return f"is owned by uid {file_stat.st_uid}, not by uid {euid} that runs this module"
+    if file_stat.st_mode & 0o022:
+        return f"is writable by other users (mode {S_IMODE(file_stat.st_mode):04o})"
+    if dir_stat.st_mode & 0o002 and not dir_stat.st_mode & S_ISVTX:
+        return f"is in a directory every user can write to (mode {S_IMODE(dir_stat.st_mode):04o})"
+    return None
+
+
+def load_pidfile(path):
+    """(record, unsafe): record is None when there is no pidfile, Unreadable when it names
+    nothing; unsafe says why the file itself cannot be trusted, or is None."""
+    try:
+        file_stat = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+    unsafe = unsafe_reason(file_stat, os.stat(os.path.dirname(path) or "."), os.geteuid())
+    if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
+        return Unreadable("is not a regular file"), unsafe
+    try:
+        with open(path) as pidfile:
+            text = pidfile.read()
+    except OSError as exc:
+        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        return Unreadable("is not text"), unsafe
+    return parse_pidfile(text), unsafe
+
+
+def set_aside(path, now=None):
+    """Keep an unreadable pidfile for inspection under a new name; returns that name."""
+    now = now or datetime.now(timezone.utc)
+    aside = f"{path}.unreadable-{now.strftime('%Y%m%dT%H%M%S%fZ')}"
+    os.rename(path, aside)
+    return aside
 
 
 def write_pidfile(path, record):
@@ -498,6 +605,10 @@ def spawn(argv, chdir, env, log_path):
         os.close(log_fd)
 
 
+def last_lines(text, count=12):
+    return "\n".join(text.rstrip("\n").splitlines()[-count:])
+
+
 def log_tail(path, limit=LOG_TAIL_BYTES):
     try:
         with open(path, "rb") as log_file:
@@ -508,25 +619,78 @@ def log_tail(path, limit=LOG_TAIL_BYTES):
         return ""
 
 
+def log_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+class LogWatcher:
+    """Reads what a run appends to its log after `offset`, line by line, looking for `pattern`."""
+
+    def __init__(self, path, offset, pattern):
+        self.path, self.offset = path, offset
+        self.pattern = re.compile(pattern) if pattern else None
+        self.pending = b""
+        self.match = None
+
+    def poll(self):
+        """The first line matching the pattern so far, or None."""
+        if self.match is not None or self.pattern is None:
+            return self.match
+        try:
+            with open(self.path, "rb") as log_file:
+                log_file.seek(self.offset)
+                chunk = log_file.read()
+        except OSError:
+            return None
+        self.offset += len(chunk)
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            text = line.decode("utf-8", "replace")
+            if self.pattern.search(text):
+                self.match = text
+                break
+        return self.match
+
+
 def start_run(params, env):
+    """Spawn the run and write its pidfile; then wait until it has lived `startup_wait` seconds
+    and, with `wait_for`, until its log shows a matching line (at most `wait_timeout` seconds)."""
     for path in (params["pidfile"], params["log_path"]):
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    began = time.monotonic()
+    watcher = LogWatcher(params["log_path"], log_size(params["log_path"]), params["wait_for"])
     child = spawn(params["command"], params["chdir"], env, params["log_path"])
     # Until poll() reaps it the child keeps its /proc entry, even if it has already exited.
     stat = read_stat(child.pid)
     record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
                   argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    # Written before the startup wait so that a module killed during it leaves the run findable.
+    # Written before the waits so that a module killed during them leaves the run findable.
     write_pidfile(params["pidfile"], record)
-    deadline = time.monotonic() + params["startup_wait"]
-    while child.poll() is None and time.monotonic() < deadline:
+    alive_until = began + params["startup_wait"]
+    give_up = began + max(params["startup_wait"], params["wait_timeout"] if watcher.pattern else 0)
+    while child.poll() is None:
+        now = time.monotonic()
+        if now >= alive_until and (watcher.poll() is not None or watcher.pattern is None):
+            break
+        if now >= give_up:
+            tail = log_tail(params["log_path"])
+            raise RunError(f"run pid {child.pid} logged nothing matching {params['wait_for']!r} within "
+                           f"{params['wait_timeout']}s; it is left running. Its log ({params['log_path']}) "
+                           f"ends with:\n{last_lines(tail)}", log_tail=tail, **running_result(record))
         time.sleep(POLL_SECONDS / 2)
     if child.returncode is not None:
         remove_file(params["pidfile"])
-        raise RunError(f"run exited with code {child.returncode} within {params['startup_wait']}s of "
-                       f"starting; log {params['log_path']}", log_tail=log_tail(params["log_path"]))
-    return record
+        tail = log_tail(params["log_path"])
+        raise RunError(f"run exited with code {child.returncode} {time.monotonic() - began:.1f}s after "
+                       f"starting. Its log ({params['log_path']}) ends with:\n{last_lines(tail)}",
+                       log_tail=tail)
+    return record, dict(startup_seconds=round(time.monotonic() - began, 2), log_offset=watcher.offset,
+                        progress=watcher.match)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,14 +698,19 @@ def start_run(params, env):
 
 
 def inspect(pidfile):
-    """(record, verdict): verdict is 'absent', 'live', 'dead', 'zombie' or 'reused'."""
-    record = load_pidfile(pidfile)
+    """(record, verdict, unsafe): verdict is 'absent', 'live', 'dead', 'zombie', 'reused' or
+    'unreadable'; unsafe says why the pidfile itself cannot be trusted, or is None."""
+    record, unsafe = load_pidfile(pidfile)
     if record is None:
-        return None, "absent"
-    return record, pidfile_verdict(record, read_stat(record["pid"]))
+        return None, "absent", unsafe
+    if isinstance(record, Unreadable):
+        return record, "unreadable", unsafe
+    return record, pidfile_verdict(record, read_stat(record["pid"])), unsafe
 
 
 def describe(record):
+    if isinstance(record, Unreadable):
+        return f"it {record.problem}"
     return f"pid {record['pid']} argv {record.get('argv')} started at {record.get('started_at')}"
 
 
@@ -550,22 +719,49 @@ def running_result(record, **extra):
                 uptime=uptime_seconds(record), **extra)
 
 
+def stopped_result(record, verdict, **extra):
+    readable = record if isinstance(record, dict) else None
+    result = dict(status="stopped", pid=None, run=readable, stale_pidfile=verdict not in ("absent", "live"))
+    if isinstance(record, Unreadable):
+        result["pidfile_problem"] = record.problem
+    result.update(extra)
+    return result
+
+
+def check_expected(params, record, verdict):
+    """Optimistic concurrency: `expect_pid` is the run this play inspected (0: none). A live run with
+    another pid means somebody else started one since; nothing may be signalled or started."""
+    expected = params["expect_pid"]
+    if expected is None or verdict != "live" or record["pid"] == expected:
+        return
+    what = f"pid {expected}" if expected else "no run"
+    raise RunError(f"run {params['name']} changed under this deploy: expected {what}, found a live run "
+                   f"({describe(record)}): {CHANGED_UNDER}. Nothing was signalled or started; rerun to act "
+                   f"on the run as it is now.", **running_result(record))
+
+
 def do_stop(module, record, verdict):
     """Stop what the pidfile names; returns the result fields."""
     params = module.params
+    pidfile = params["pidfile"]
     if verdict == "absent":
         return dict(changed=False, how="already_stopped", seconds=0.0, signalled=[], processes=[], pid=None,
-                    msg=f"no pidfile {params['pidfile']}: nothing to stop")
+                    msg=f"no pidfile {pidfile}: nothing to stop")
+    if verdict == "unreadable":
+        aside = None if module.check_mode else set_aside(pidfile)
+        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], processes=[], pid=None,
+                    pidfile_problem=record.problem, set_aside=aside,
+                    msg=f"stale pidfile {pidfile}: {describe(record)}; nothing signalled, kept as {aside}")
     if verdict != "live":
-        msg = f"stale pidfile {params['pidfile']} ({verdict}: {describe(record)}) removed, nothing signalled"
+        msg = f"stale pidfile {pidfile} ({verdict}: {describe(record)}) removed, nothing signalled"
         if not module.check_mode:
-            remove_file(params["pidfile"])
+            remove_file(pidfile)
         return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], processes=[],
                     pid=record["pid"], msg=msg)
     if module.check_mode:
         return dict(changed=True, pid=record["pid"], msg=f"would stop {describe(record)}")
     stopped = RunStopper(record).stop(params["stop_timeout"], params["kill_timeout"])
-    remove_file(params["pidfile"])
+    remove_file(pidfile)
     return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
                 **stopped)
 
@@ -573,18 +769,25 @@ def do_stop(module, record, verdict):
 def apply_state(module, env):
     params = module.params
     state = params["state"]
-    record, verdict = inspect(params["pidfile"])
-    stale = verdict in ("dead", "zombie", "reused")
+    record, verdict, unsafe = inspect(params["pidfile"])
 
     if state == "status":
+        extra = {"pidfile_unsafe": unsafe} if unsafe else {}
         if verdict == "live":
-            return running_result(record, changed=False, msg=f"running: {describe(record)}")
-        return dict(changed=False, status="stopped", pid=None, run=record, stale_pidfile=stale,
-                    msg=f"stopped ({verdict} pidfile)")
+            return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
+        return stopped_result(record, verdict, changed=False, msg=f"stopped ({verdict} pidfile)", **extra)
+
+    if unsafe:
+        raise RunError(f"pidfile {params['pidfile']} {unsafe}: anyone able to write it could name any "
+                       f"process, so it is not trusted and nothing was signalled or started. Check who "
+                       f"changed it, then make it root-owned and not writable by others (chmod 0644) or "
+                       f"remove it.", pidfile_unsafe=unsafe)
+    check_expected(params, record, verdict)
 
     if state == "stopped":
-        result = do_stop(module, record, verdict)
-        return dict(status="stopped", run=None, stale_pidfile=stale, **result)
+        result = stopped_result(record, verdict)
+        result.update(do_stop(module, record, verdict))
+        return result
 
     preflight(params, env)
     if state == "started" and verdict == "live":
@@ -596,14 +799,37 @@ def apply_state(module, env):
     if verdict != "absent":  # restarted with a live run, or any stale pidfile
         result.update(do_stop(module, record, verdict))
         result["previous_pid"] = result.pop("pid")
+        result["stop_msg"] = result.pop("msg")
     if module.check_mode:
-        result.update(changed=True, status="stopped", pid=None, run=None, stale_pidfile=stale,
-                      msg=f"would start {params['command']}")
+        result.update(stopped_result(record, verdict, changed=True, msg=f"would start {params['command']}"))
         return result
-    new_record = start_run(params, env)
-    result.update(running_result(new_record, changed=True, msg=f"started {describe(new_record)}"))
-    result["stale_pidfile"] = stale
+    new_record, startup = start_run(params, env)
+    msg = f"started {describe(new_record)}"
+    if "stop_msg" in result:
+        msg = f"{result['stop_msg']}; {msg}"
+    result.update(running_result(new_record, changed=True, msg=msg, **startup))
+    result["stale_pidfile"] = verdict not in ("absent", "live")
     return result
+
+
+def read_environment_file(path):
+    """KEY=VALUE lines (blank lines and # comments skipped) of a file only its owner can read:
+    the secrets of a run never pass through the module's arguments or its result."""
+    file_stat = os.stat(path)
+    if file_stat.st_uid != os.geteuid() or file_stat.st_mode & 0o077:
+        raise RunError(f"environment_file {path} must be owned by uid {os.geteuid()} and readable by it "
+                       f"alone (mode {S_IMODE(file_stat.st_mode):04o}); chmod 0600 it")
+    values = {}
+    with open(path) as env_file:
+        for number, line in enumerate(env_file, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise RunError(f"environment_file {path} line {number} is not KEY=VALUE")
+            values[key] = value
+    return values
 
 
 @contextmanager
@@ -632,9 +858,16 @@ def main():
     name = params["name"]
     if not name or "/" in name or name.startswith("."):
         module.fail_json(msg=f"name {name!r} must be a plain file name (no '/', not starting with '.')")
-    for key in ("stop_timeout", "kill_timeout", "startup_wait"):
+    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout"):
         if params[key] < 0:
             module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
+    if params["expect_pid"] is not None and params["expect_pid"] < 0:
+        module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
+    if params["wait_for"]:
+        try:
+            re.compile(params["wait_for"])
+        except re.error as exc:
+            module.fail_json(msg=f"wait_for is not a regular expression: {exc}")
     params["pidfile"] = params["pidfile"] or f"/var/lib/dflash/{name}.pid"
     params["log_path"] = params["log_path"] or f"/var/log/dflash/{name}.log"
     env = dict(os.environ)
@@ -642,6 +875,8 @@ def main():
 
     result = dict(name=name, pidfile=params["pidfile"])
     try:
+        if params["environment_file"] and params["state"] in ("started", "restarted"):
+            env.update(read_environment_file(params["environment_file"]))
         with pidfile_lock(params["pidfile"], enabled=params["state"] != "status" and not module.check_mode):
             result.update(apply_state(module, env))
     except RunError as exc:

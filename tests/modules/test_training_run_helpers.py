@@ -114,13 +114,16 @@ def write_json(path, data):
 
 
 def test_load_pidfile_absent_is_none(tmp_path):
-    assert tr.load_pidfile(str(tmp_path / "none.pid")) is None
+    assert tr.load_pidfile(str(tmp_path / "none.pid")) == (None, None)
 
 
 @pytest.mark.parametrize(
-    "content, complaint",
+    "content, problem",
     [
+        ("", "is empty"),
+        ("  \n", "is empty"),
         ("12345\n", "does not hold a JSON object"),          # a classic bare-pid pidfile
+        ('{"pid": 5, "pgid"', "is not JSON"),                  # truncated
         ("{not json", "is not JSON"),
         ('{"pid": 5, "pgid": 5}', "no valid 'start_time'"),
         ('{"pid": "5", "pgid": 5, "start_time": 1}', "no valid 'pid'"),
@@ -129,12 +132,77 @@ def test_load_pidfile_absent_is_none(tmp_path):
         ('{"pid": 5, "pgid": -1, "start_time": 1}', "no valid 'pgid'"),
     ],
 )
-def test_load_pidfile_rejects_what_it_did_not_write(tmp_path, content, complaint):
+def test_a_pidfile_it_did_not_write_names_nothing(tmp_path, content, problem):
     path = tmp_path / "run.pid"
     path.write_text(content)
-    with pytest.raises(tr.RunError, match=re.escape(complaint)) as caught:
-        tr.load_pidfile(str(path))
-    assert "remove it by hand" in str(caught.value)
+    path.chmod(0o644)
+    record, unsafe = tr.load_pidfile(str(path))
+    assert isinstance(record, tr.Unreadable) and problem in record.problem
+    assert unsafe is None
+
+
+def test_load_pidfile_reads_a_record(tmp_path):
+    path = tmp_path / "run.pid"
+    path.write_text('{"pid": 5, "pgid": 5, "start_time": 1}')
+    path.chmod(0o644)
+    assert tr.load_pidfile(str(path)) == ({"pid": 5, "pgid": 5, "start_time": 1}, None)
+
+
+def fake_stat(mode, uid=0):
+    return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize(
+    "file_mode, dir_mode, uid, reason",
+    [
+        (stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755, 0, None),
+        (stat.S_IFREG | 0o600, stat.S_IFDIR | 0o1777, 0, None),     # sticky /tmp-like directory
+        (stat.S_IFREG | 0o666, stat.S_IFDIR | 0o755, 0, "writable by other users (mode 0666)"),
+        (stat.S_IFREG | 0o664, stat.S_IFDIR | 0o755, 0, "writable by other users (mode 0664)"),
+        (stat.S_IFREG | 0o644, stat.S_IFDIR | 0o757, 0, "directory every user can write to"),
+        (stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755, 1000, "owned by uid 1000"),
+        (stat.S_IFLNK | 0o777, stat.S_IFDIR | 0o755, 0, "not a regular file"),
+    ],
+)
+def test_unsafe_reason(file_mode, dir_mode, uid, reason):
+    found = tr.unsafe_reason(fake_stat(file_mode, uid), fake_stat(dir_mode), 0)
+    assert (found is None) if reason is None else (reason in found)
+
+
+def test_set_aside_keeps_the_file_under_a_dated_name(tmp_path):
+    path = tmp_path / "run.pid"
+    path.write_text("garbage")
+    aside = tr.set_aside(str(path))
+    assert not path.exists()
+    assert aside.startswith(str(path) + ".unreadable-") and open(aside).read() == "garbage"
+
+
+def test_log_watcher_finds_the_first_matching_line_after_the_offset(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text('{"event": "step", "step": 1}\n')
+    watcher = tr.LogWatcher(str(log), log.stat().st_size, r'"event": *"step"')
+    assert watcher.poll() is None                          # the old run's step does not count
+    with log.open("a") as f:
+        f.write('{"event": "start"}\n{"event": "st')
+    assert watcher.poll() is None                          # half a line is not a match yet
+    with log.open("a") as f:
+        f.write('ep", "step": 11}\n')
+    assert watcher.poll() == '{"event": "step", "step": 11}'
+
+
+def test_environment_file_must_be_private_and_well_formed(tmp_path):
+    path = tmp_path / "run.env"
+    path.write_text("# tokens\nHF_TOKEN=abc=def\n\nWANDB_API_KEY=x\n")
+    path.chmod(0o600)
+    if os.geteuid() == path.stat().st_uid:
+        assert tr.read_environment_file(str(path)) == {"HF_TOKEN": "abc=def", "WANDB_API_KEY": "x"}
+    path.chmod(0o640)
+    with pytest.raises(tr.RunError, match="chmod 0600"):
+        tr.read_environment_file(str(path))
+    path.chmod(0o600)
+    path.write_text("export HF_TOKEN abc\n")
+    with pytest.raises(tr.RunError, match="line 1 is not KEY=VALUE"):
+        tr.read_environment_file(str(path))
 
 
 def test_write_pidfile_is_atomic_and_world_readable(tmp_path):

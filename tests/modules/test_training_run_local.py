@@ -282,12 +282,78 @@ def test_bad_input_gets_a_clear_message(tmp_path, args, complaint):
     assert "Traceback" not in json.dumps(result)
 
 
-def test_a_pidfile_it_did_not_write_is_left_alone(run):
+@pytest.mark.parametrize("content", ["", f"{os.getpid()}\n", f'{{"pid": {os.getpid()}, "pgid"', "{not json"])
+def test_a_pidfile_that_names_nothing_is_set_aside_and_the_start_proceeds(run, content):
+    """Empty, a bare pid (this very test process), truncated, not JSON: nothing is signalled (this
+    process lives on), the file is kept for inspection, and the run starts."""
     run.pidfile.parent.mkdir(parents=True)
-    run.pidfile.write_text(f"{os.getpid()}\n")  # a bare pid: this very test process
-    result, rc = run.call(state="stopped")
-    assert rc == 1 and "remove it by hand" in result["msg"]
-    assert run.pidfile.read_text() == f"{os.getpid()}\n"
+    run.pidfile.write_text(content)
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["status"] == "stopped" and status["stale_pidfile"] is True
+    assert status["pidfile_problem"]
+    result = run.start()
+    assert result["stale_pidfile"] is True and result["how"] == "stale_pidfile"
+    assert result["signalled"] == [] and alive(result["pid"])
+    assert result["set_aside"] in result["msg"]
+    assert Path(result["set_aside"]).read_text() == content
+    assert json.loads(run.pidfile.read_text())["pid"] == result["pid"]
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o646, 0o664])
+def test_a_pidfile_others_can_write_is_refused(run, mode):
+    pid = run.start()["pid"]
+    run.pidfile.chmod(mode)
+    for state in ("stopped", "restarted", "started"):
+        result, rc = run.call(state=state, command=[sys.executable, FAKE_RUN])
+        assert rc == 1 and f"writable by other users (mode {mode:04o})" in result["msg"], result
+        assert "chmod 0644" in result["msg"]
+        assert alive(pid)
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["pid"] == pid and "writable by other users" in status["pidfile_unsafe"]
+
+
+def test_expect_pid_refuses_a_run_that_changed_meanwhile(run):
+    first = run.start()["pid"]
+    # A play that saw no run must not start a second one, nor stop the one somebody else started.
+    result, rc = run.call(command=[sys.executable, FAKE_RUN], expect_pid=0)
+    assert rc == 1 and "another deploy" in result["msg"] and f"pid {first}" in result["msg"]
+    result, rc = run.call(state="stopped", expect_pid=first + 100000)
+    assert rc == 1 and "another deploy" in result["msg"] and alive(first)
+    # The run it saw is still there: it acts.
+    result, rc = run.call(state="stopped", expect_pid=first)
+    assert rc == 0 and result["how"] == "terminated" and not alive(first)
+    # A run that is gone counts as expected: nothing to stop, and a start may follow.
+    result, rc = run.call(state="stopped", expect_pid=first)
+    assert rc == 0 and result["how"] == "already_stopped"
+    assert run.start(expect_pid=0)["pid"] != first
+
+
+def test_wait_for_returns_once_the_run_logs_progress(run):
+    result = run.start("--step-after", "1.5", wait_for=r'"event": *"step"', wait_timeout=30)
+    assert result["progress"] == '{"event": "step", "step": 1}'
+    assert 1.5 <= result["startup_seconds"] < 15
+    # A second run on the same log: the first run's step line does not count.
+    result, rc = run.call(state="restarted", command=[sys.executable, FAKE_RUN], wait_for='"step"',
+                          wait_timeout=2)
+    assert rc == 1 and "logged nothing matching" in result["msg"] and "left running" in result["msg"]
+    assert alive(result["pid"])
+    run.processes.track(result["pid"])
+
+
+def test_wait_for_fails_with_the_log_when_the_run_dies(run):
+    result, rc = run.call(command=[sys.executable, FAKE_RUN, "--exit-at-once", "2"], wait_for="step")
+    assert rc == 1 and "exited with code 2" in result["msg"]
+    assert "cannot load the config" in result["log_tail"] and not run.pidfile.exists()
+
+
+def test_secrets_reach_the_run_from_its_environment_file_only(run, tmp_path):
+    env_file = tmp_path / "main.env"
+    env_file.write_text("HF_TOKEN=hf_not_a_real_token_42\n")
+    env_file.chmod(0o600)
+    result = run.start(environment_file=str(env_file))
+    assert "hf_not_a_real_token_42" not in json.dumps(result)
+    environ = Path(f"/proc/{result['pid']}/environ").read_bytes().split(b"\0")
+    assert b"HF_TOKEN=hf_not_a_real_token_42" in environ
 
 
 @pytest.mark.slow

@@ -176,6 +176,28 @@ def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
     assert info["pid"] != before["pid"] and info["argv"] == [f"{back}/run.sh"]
 
 
+def test_secrets_reach_the_run_and_nothing_else(fleet):
+    token = "hf_test_token_5d41402abc4b2a76"
+    secrets = json.dumps({"dflash_run_secret_environment": {"HF_TOKEN": token}})
+    res = fleet.play("restart_training.yml", "-l", "ct203", "-e", secrets, "-vvv")
+    assert res.rc == 0, res
+    status = fleet.play("status.yml", "-l", "ct203", "-vvv")
+    assert status.rc == 0, status
+    pid = fleet.run_info(203)["pid"]
+    # The run has it in its environment...
+    environ = fleet.ct(203, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
+    assert f"HF_TOKEN={token}" in environ
+    # ...from a file only root can read...
+    assert fleet.ct(203, "stat -c '%a %U' /var/lib/dflash/main.env").stdout.split() == ["600", "root"]
+    # ...and it is nowhere else: not in Ansible's output (even -vvv), the status table, the run's
+    # log, its pidfile, its status.json or the release.
+    for output in (res.stdout, res.stderr, status.stdout, status.stderr):
+        assert token not in output
+    leaks = fleet.ct(203, f"grep -rl {token} /var/log/dflash /opt/dflash /var/lib/dflash/main.pid "
+                          "/var/lib/dflash/runs").stdout.split()
+    assert leaks == []
+
+
 def test_stop_training_checkpoints_and_frees_the_gpus(fleet):
     before = fleet.run_info(202)
     res = fleet.play("stop_training.yml", "-l", "ct202")
