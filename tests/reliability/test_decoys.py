@@ -51,7 +51,7 @@ class Decoy:
     pid: int
     start_time: int
     argv: tuple = ()
-    pidfile: str | None = None  # a second run's own pidfile
+    files: tuple = ()  # a second run's own pidfile, lock and log
 
 
 @dataclass
@@ -93,8 +93,8 @@ def start_decoys(fleet, trial, rng, serial):
                                command=[VENV_PYTHON, "-c", SLEEPER, f"{release}/run.sh"],
                                environment={"CUDA_VISIBLE_DEVICES": str(SECOND_RUN_GPU)})
         assert not started.get("failed"), started
-        trial.decoys.append(Decoy("second run", started["pid"], started["run"]["start_time"],
-                                  pidfile=started["pidfile"]))
+        own = (started["pidfile"], started["pidfile"] + ".lock", started["run"]["log_path"])
+        trial.decoys.append(Decoy("second run", started["pid"], started["run"]["start_time"], files=own))
     table = process_table(fleet, trial.vmid)
     for decoy in trial.decoys:
         assert still_there(table, decoy.pid, decoy.start_time), decoy
@@ -138,7 +138,7 @@ def check_trial(fleet, trial, play):
 
 def end_decoys(fleet, trial):
     kill_sessions(fleet, trial.vmid, [(d.pid, d.start_time) for d in trial.decoys])
-    files = [p for d in trial.decoys if d.pidfile for p in (d.pidfile, d.pidfile + ".lock")]
+    files = [path for d in trial.decoys for path in d.files]
     if files:
         fleet.ct(trial.vmid, "rm -f " + " ".join(files))
 

@@ -156,7 +156,7 @@ def test_pidfile_writable_by_others_is_refused_and_nothing_is_touched(fleet):
             assert fleet.ct(VMID, f"chmod {mode} {pidfile} && chown {owner} {pidfile}").returncode == 0
             status = training_run(fleet, VMID, name=name, state="status")
             assert not status.get("failed"), status
-            assert says in f"{status.get('msg')} {status.get('pidfile_problem')}", status
+            assert says in status.get("pidfile_unsafe", ""), status
             for state in ("stopped", "restarted", "started"):
                 refused = training_run(fleet, VMID, name=name, state=state, stop_timeout=5, command=command)
                 assert refused.get("failed") is True, (mode, owner, state, refused)
