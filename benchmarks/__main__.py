@@ -2,7 +2,9 @@
 
 Each benchmark is a script that prints a human table and, as its last line, one JSON object with
 its figures. This runner starts each in its own process (so one's memory and threads cannot skew
-another's), streams its output, and keeps the JSON line in `benchmarks/results/<name>.json`.
+another's), streams its output, keeps the JSON line in `benchmarks/results/<name>.json`, and ends
+with each benchmark's wall time and the total (BENCHMARKS.md has the last figures).
+Larger or smaller sizes: run a script alone with the flags of its `--help`.
 """
 
 import argparse
@@ -43,9 +45,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=ORDER, help="run only these benchmarks")
     args = parser.parse_args(argv)
-    for name in args.only or ORDER:
-        run_one(name, [])
+    started = time.monotonic()
+    walls = {name: run_one(name, [])["_wall_s"] for name in args.only or ORDER}
     print(f"\nfigures written to {HERE / 'results'}/")
+    print("wall time: " + ", ".join(f"{name} {wall:.0f} s" for name, wall in walls.items())
+          + f"; total {time.monotonic() - started:.0f} s")
     return 0
 
 

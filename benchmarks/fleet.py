@@ -1,30 +1,33 @@
-"""Fleet rollout: `deploy.yml` to 1, 2, 4 and 8 fresh containers over 2 simulated nodes.
+"""Fleet rollout: `deploy.yml` without the run's start to 1, 2, 4 and 8 containers over 2 simulated nodes.
 
 Each size gets its own pvesim (own state dir under a temp dir, taken down in a `finally`), with
-containers 200.. spread over the nodes in contiguous blocks, and one `deploy.yml` with the
-project's ansible.cfg (default forks) and the playbook's default rollout (`serial: [1, '100%']`:
-the first container alone, then the rest together). Reported per size: the wall time, its ratio to
-one container, and the same with the run's start taken out.
-
-deploy.yml has no variable that skips the run's start (dflash_run is always included), so the run
-starts with the sim's smallest config (inventory/sim/group_vars: one process on CPU, a tiny
-target); the time of the start and its health checks is measured from the task timings and shown
-apart, and "without start" subtracts it.
+containers 200.. spread over the nodes in contiguous blocks, and one `deploy.yml
+-e dflash_fleet_start_run=false` (node checks, the trainer's venv, the release validated and made
+live; no run started) with the project's ansible.cfg (its forks, 10) and the playbook's default
+rollout (one batch without the run's start; with it, `serial: [1, '100%']`: the first container
+alone, then the rest together; `--serial` passes another). Reported per size: the wall time and
+its ratio to one container. `--with-start` lets deploy.yml start the run too (the sim's tiny CPU
+run), and shows that part apart.
 
 Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
 (the same figures as `profile_tasks`), grouped by kind of work: the node checks over ssh, container
-tasks through `proxmox_pct_remote` (ssh to the node, then `pct exec`; a file goes as `cat > dest`),
-the venv and the wheel's pip install, the probe of the venv in the container, and so on. On
-the largest sim, before its deploy, it also times the connection alone: raw ssh, raw `pct exec`, an
-Ansible ping through each connection, and a copy of a small and a larger file.
+tasks through `proxmox_pct_remote` (ssh to the node, then `pct exec`), the venv module call, the
+release's unpack (the archive rides in the task's arguments), validation and switch, the
+controller's wheel build and packing. Also reported: the bytes each container gets in task
+arguments, the load average before and after each size (the machine may be shared), and, on the
+largest sim before its deploy, the connection alone: raw ssh, raw `pct exec`, an Ansible ping
+through each connection, a copy of a small and an 8 MiB file through `cat`, and the round trips
+one task costs.
 
     python benchmarks/fleet.py                     # sizes 1 2 4 8
-    python benchmarks/fleet.py --sizes 1 4 --no-probes
+    python benchmarks/fleet.py --sizes 1 8 --no-probes
+    python benchmarks/fleet.py --sizes 1 8 --serial 100% --with-start
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import json
 import os
 import shutil
@@ -38,6 +41,29 @@ import simbench  # noqa: E402
 from simbench import CATEGORIES, median  # noqa: E402
 
 FIRST_VMID = 200
+START = "run start + health (waits, polls, gpu_verify)"
+
+
+def configured_forks() -> int:
+    """The forks of the project's ansible.cfg (Ansible's own default, 5, when it sets none)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(simbench.REPO / "ansible.cfg")
+    return cfg.getint("defaults", "forks", fallback=5)
+
+
+def payload_bytes(rows: list[dict]) -> dict:
+    """Bytes of the wheel and the release archive (base64) that ride in each container's task arguments."""
+    out = {}
+    for row in rows:
+        for result in row["hosts"].values():
+            try:
+                built = json.loads(result.get("stdout") or "")
+            except (json.JSONDecodeError, TypeError):
+                continue
+            for key in ("wheel_b64", "archive_b64"):
+                if isinstance(built, dict) and key in built and os.path.exists(built[key]):
+                    out[key] = os.path.getsize(built[key])
+    return out
 
 
 def layout(n: int, nodes: int) -> tuple[int, list[int]]:
@@ -110,11 +136,14 @@ def run_size(n: int, args, work: Path, probes: bool) -> dict:
     try:
         probe = probe_connection(fleet, vmids, args.probe_repeats) if probes else None
         extra = ["-e", f"dflash_fleet_serial={args.serial}"] if args.serial else []
+        if not args.with_start:
+            extra += ["-e", "dflash_fleet_start_run=false"]
         keep = args.keep_json / f"fleet-deploy-{n}.json" if args.keep_json else None
+        load_before = os.getloadavg()[0]
         wall, res = simbench.timed_play(fleet, "deploy.yml", *extra, keep_json=keep)
         rows = simbench.task_rows(res.data)
         cats = simbench.summarize_categories(rows)
-        start_s = cats["run start + health (waits, polls, gpu_verify)"]["seconds"]
+        start_s = cats[START]["seconds"]
         batches = len([p for p in res.data.get("plays", []) if p["play"]["name"].startswith("Deploy")])
         remote = simbench.remote_task_seconds(rows)
         return {
@@ -123,37 +152,52 @@ def run_size(n: int, args, work: Path, probes: bool) -> dict:
             "tasks_run": sum(1 for r in rows if r["ran"]),
             "cheap_container_task_s": median(remote),
             "changed": simbench.recap(res, hosts),
+            "payload_bytes": payload_bytes(rows),
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "categories": cats, "probe": probe,
         }
     finally:
         fleet.down()
 
 
-def print_tables(results: list[dict], target: float) -> dict:
+def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
     one = results[0]
-    print(f"\n{'containers':>10} {'nodes':>5} {'batches':>7} {'deploy s':>9} {'x one':>6} "
-          f"{'run start s':>11} {'w/o start s':>11} {'x one':>6} {'tasks':>6} {'cheap task s':>12}")
-    print("-" * 92)
+    start_head = f" {'run start s':>11} {'w/o start s':>11} {'x one':>6}" if with_start else ""
+    head = (f"\n{'containers':>10} {'nodes':>5} {'batches':>7} {'deploy s':>9} {'x one':>6}{start_head} "
+            f"{'tasks':>6} {'cheap task s':>12} {'load before/after':>17}")
+    print(head)
+    print("-" * len(head))
     for r in results:
         r["ratio"] = round(r["deploy_s"] / one["deploy_s"], 2)
         r["ratio_without_start"] = round(r["deploy_without_start_s"] / one["deploy_without_start_s"], 2)
+        start_cells = (f" {r['run_start_s']:>11.1f} {r['deploy_without_start_s']:>11.1f} "
+                       f"{r['ratio_without_start']:>6.2f}") if with_start else ""
+        load = "/".join(f"{x:.1f}" for x in r["loadavg_1min"])
         print(f"{r['containers']:>10} {r['nodes']:>5} {r['batches']:>7} {r['deploy_s']:>9.1f} "
-              f"{r['ratio']:>6.2f} {r['run_start_s']:>11.1f} {r['deploy_without_start_s']:>11.1f} "
-              f"{r['ratio_without_start']:>6.2f} "
-              f"{r['tasks_run']:>6} {r['cheap_container_task_s'] or 0:>12.2f}")
+              f"{r['ratio']:>6.2f}{start_cells} {r['tasks_run']:>6} "
+              f"{r['cheap_container_task_s'] or 0:>12.2f} {load:>17}")
 
-    print("\nwhere the time goes: sum of task wall times (a task's time is its slowest host in the batch)")
-    head = f"{'kind of work':<46}" + "".join(f" {str(r['containers']) + ' ct':>14}" for r in results)
+    print("\nwhere the time goes: sum of task wall times (a task's time is its slowest host in the batch);")
+    print("s/n/m: seconds over n task runs, m seconds a task run")
+    head = f"{'kind of work':<46}" + "".join(f" {str(r['containers']) + ' ct':>19}" for r in results)
     print(head)
     print("-" * len(head))
     for cat in CATEGORIES:
-        cells = "".join(f" {r['categories'][cat]['seconds']:>8.1f}s/{r['categories'][cat]['tasks']:<4}"
-                        for r in results)
+        if not any(r["categories"][cat]["tasks"] for r in results):
+            continue
+        cells = ""
+        for r in results:
+            c = r["categories"][cat]
+            each = c["seconds"] / c["tasks"] if c["tasks"] else 0
+            cells += f" {c['seconds']:>7.1f}s/{c['tasks']:<3}/{each:<5.2f}"
         print(f"{cat:<46}{cells}")
-    rest = "".join(f" {r['deploy_s'] - sum(c['seconds'] for c in r['categories'].values()):>8.1f}s     "
-                   for r in results)
+    rest = "".join(f" {r['deploy_s'] - sum(c['seconds'] for c in r['categories'].values()):>7.1f}s"
+                   + " " * 11 for r in results)
     print(f"{'ansible-playbook start, inventory, between tasks':<46}{rest}")
-    print("(s/n: seconds over n task runs; a batch counts once per task)")
+    sizes = one["payload_bytes"]
+    if sizes:
+        print("bytes in each container's task arguments (base64, no separate transfer): "
+              + ", ".join(f"{k.removesuffix('_b64')} {v / 1024:.0f} KiB" for k, v in sorted(sizes.items())))
 
     probe = next((r["probe"] for r in results if r["probe"]), None)
     if probe:
@@ -167,7 +211,8 @@ def print_tables(results: list[dict], target: float) -> dict:
             ("ansible_ct_ping_s", "ansible CT -m ping (proxmox_pct_remote)"),
             ("ansible_ct_copy_small_s", "ansible CT -m copy, a few bytes"),
             ("ansible_ct_copy_8mib_s", "ansible CT -m copy, 8 MiB"),
-            ("ansible_all_ct_ping_s", f"ansible all {probe['containers_pinged']} CTs -m ping (forks 10)"),
+            ("ansible_all_ct_ping_s",
+             f"ansible all {probe['containers_pinged']} CTs -m ping (forks {configured_forks()})"),
         ):
             print(f"  {label:<50} {probe[key]:>6.2f} s")
         print(f"  round trips: ping {probe['ping_connections']} ssh connection(s), "
@@ -181,8 +226,10 @@ def print_tables(results: list[dict], target: float) -> dict:
 
     last = results[-1]
     verdict = last["ratio"] <= target
-    print(f"\ntarget: {last['containers']} containers <= {target}x one: {last['ratio']:.2f}x "
-          f"{'PASS' if verdict else 'FAIL'} (without the run's start: {last['ratio_without_start']:.2f}x)")
+    what = "with the run's start" if with_start else "deploy.yml without the run's start"
+    print(f"\ntarget: {last['containers']} containers <= {target}x one ({what}): {last['ratio']:.2f}x "
+          f"{'PASS' if verdict else 'FAIL'}"
+          + (f" (start taken out: {last['ratio_without_start']:.2f}x)" if with_start else ""))
     return {"target_ratio": target, "target_pass": verdict}
 
 
@@ -192,7 +239,10 @@ def parse_args(argv):
                         help="numbers of containers, each in a fresh sim (the first is the reference)")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (fewer when fewer containers)")
     parser.add_argument("--serial", default=None,
-                        help="pass -e dflash_fleet_serial=VALUE (default: the playbook's [1, '100%%'])")
+                        help="pass -e dflash_fleet_serial=VALUE (default: the playbook's: 100%% without "
+                             "the run's start, [1, '100%%'] with it)")
+    parser.add_argument("--with-start", action="store_true",
+                        help="let deploy.yml start the run too (its start and health shown apart)")
     parser.add_argument("--no-probes", action="store_true", help="skip the connection-alone timings")
     parser.add_argument("--probe-repeats", type=int, default=3, help="repeats of each connection timing")
     parser.add_argument("--target", type=float, default=2.5, help="largest size's allowed ratio to the first")
@@ -206,19 +256,23 @@ def main(argv=None) -> int:
     sizes = sorted(set(args.sizes))
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-fleet-"))
     started = time.monotonic()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     results = []
     try:
         for n in sizes:
-            print(f"deploy.yml to {n} container(s) ...", flush=True)
+            run = " with the run's start" if args.with_start else ""
+            print(f"deploy.yml to {n} container(s){run} ...", flush=True)
             results.append(run_size(n, args, work, probes=not args.no_probes and n == sizes[-1]))
             print(f"  {results[-1]['deploy_s']} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdict = print_tables(results, args.target)
+    verdict = print_tables(results, args.target, args.with_start)
     print(json.dumps({
-        "benchmark": "fleet", "cpus": os.cpu_count(),
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": "ansible.cfg default",
-        "serial": args.serial or "[1, '100%'] (playbook default)", "sizes": results, **verdict,
+        "benchmark": "fleet", "cpus": os.cpu_count(), "loadavg_start": load_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": configured_forks(),
+        "serial": args.serial or ("[1, '100%']" if args.with_start else "100%") + " (playbook default)",
+        "run_started": args.with_start,
+        "sizes": results, **verdict,
         "total_s": round(time.monotonic() - started, 1),
     }))
     return 0

@@ -9,9 +9,10 @@ run going; then, `--repeats` times:
   - the trainer's own stop: `seconds` of the stop's `training_run` result (SIGTERM to the process
     gone, the checkpoint included);
   - the trainer's own start: from the new process's start (`/proc/<pid>/stat` in the container)
-    to its first `step` line in the run's log (imports, model load, resume, first step);
-  - Ansible's part: the rest (connections, the deploy steps the restart repeats, the settle pause,
-    polls, GPU checks), shown by kind of work from the per-task times;
+    to its first `step` line in the run's log (imports, model load, resume, first step; the start
+    task waits for that line in the container, so this time is inside it);
+  - Ansible's part: the rest (connections, the deploy steps the restart repeats, GPU checks, any
+    pause), shown by kind of work from the per-task times;
   and checked: the new run resumed from the checkpoint the old one wrote when it stopped;
 - a no-change `deploy.yml`: wall time and `changed` from the play recap (expected 0, same pid).
 

@@ -41,10 +41,11 @@ TRANSFER = {"ansible.builtin.copy", "ansible.builtin.unarchive", "ansible.builti
 CATEGORIES = (
     "controller: wheel build, git, pack",
     "node checks (ssh to the node)",
-    "venv create + wheel install (pip)",
-    "venv probe (venv state, module lookup)",
+    "venv: create, .pth, wheel (one module call)",
+    "release: unpack (archive in the task's args)",
+    "release validate (config check, data path)",
+    "release switch + prune (one module call)",
     "file transfer (cat through pct exec)",
-    "release validate (trainer's config check)",
     "run stop + GPU idle check",
     "run start + health (waits, polls, gpu_verify)",
     "other container round trips",
@@ -127,16 +128,18 @@ def categorize(row: dict) -> str | None:
         return "node checks (ssh to the node)"
     if role == "dflash_run" and file == "stop.yml":
         return "run stop + GPU idle check"
-    if role == "dflash_run" and file in ("start.yml", "health.yml"):
+    if role == "dflash_run" and file in ("start.yml", "launch.yml", "health.yml"):
         return "run start + health (waits, polls, gpu_verify)"
     if action in TRANSFER:
         return "file transfer (cat through pct exec)"
-    if role == "dflash_env" and file in ("venv.yml", "project.yml") or action == "ansible.builtin.pip":
-        return "venv create + wheel install (pip)"
-    if role == "dflash_env" and file == "probe.yml":
-        return "venv probe (venv state, module lookup)"
-    if role == "dflash_release" and file == "validate.yml" and action == "ansible.builtin.command":
-        return "release validate (trainer's config check)"
+    if role == "dflash_env" and file in ("venv.yml", "requirements.yml"):
+        return "venv: create, .pth, wheel (one module call)"
+    if role == "dflash_release" and file == "stage.yml":
+        return "release: unpack (archive in the task's args)"
+    if role == "dflash_release" and file == "validate.yml":
+        return "release validate (config check, data path)"
+    if role == "dflash_release" and file == "switch.yml":
+        return "release switch + prune (one module call)"
     return "other container round trips"
 
 
@@ -153,11 +156,11 @@ def summarize_categories(rows: list[dict]) -> dict:
 
 
 def remote_task_seconds(rows: list[dict]) -> list[float]:
-    """Wall times of the single-round-trip container tasks (stat, file, find, training_run status):
-    what one task through proxmox_pct_remote costs when the module itself does almost nothing."""
+    """Wall times of the single-round-trip container tasks (stat, file, find): what one task through
+    proxmox_pct_remote costs when the module itself does almost nothing."""
     cheap = {"ansible.builtin.stat", "ansible.builtin.file", "ansible.builtin.find"}
-    return [r["seconds"] for r in rows if r["ran"] and categorize(r) == "other container round trips"
-            and r["action"] in cheap]
+    return [r["seconds"] for r in rows if r["ran"] and r["action"] in cheap
+            and categorize(r) != "node checks (ssh to the node)"]
 
 
 def recap(result, hosts) -> dict:

@@ -2,10 +2,13 @@
 """Build the project's wheel on the controller, once per source content (cached by hash).
 
 Usage: build_wheel.py PROJECT_DIR CACHE_DIR
-Prints JSON: {"wheel": path, "source_sha256": hex}. The hash covers pyproject.toml and the
-packages' files, so an unchanged tree reuses the cached wheel and the container sees no change.
+Prints JSON: {"wheel": path, "wheel_b64": path, "source_sha256": hex}. The hash covers
+pyproject.toml and the packages' files, so an unchanged tree reuses the cached wheel and the
+container sees no change. `wheel_b64` is the wheel in base64 (text a lookup can read): the role
+hands it to its module in the task's arguments, so the wheel needs no file transfer of its own.
 """
 
+import base64
 import glob
 import hashlib
 import json
@@ -51,7 +54,15 @@ def build(project, cache):
         finally:
             shutil.rmtree(work, ignore_errors=True)
         wheels = glob.glob(os.path.join(target, "*.whl"))
-    return {"wheel": wheels[0], "source_sha256": sha}
+    encoded = wheels[0] + ".b64"
+    if not os.path.exists(encoded):
+        with open(wheels[0], "rb") as fh:
+            data = base64.b64encode(fh.read())
+        tmp = f"{encoded}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, encoded)
+    return {"wheel": wheels[0], "wheel_b64": encoded, "source_sha256": sha}
 
 
 def main(argv):

@@ -6,9 +6,12 @@ Usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < {"config.yaml": text,
 The release id is a content hash of the code and the rendered files, so an unchanged tree and config
 give the same id (and the container gets nothing new). The archive of an id is written once (REVISION
 records when), so every container of that release gets the same bytes. Prints JSON:
-{"id": ..., "archive": path, "code_sha256": ..., "files": {path in the release: sha256}}.
+{"id": ..., "archive": path, "archive_b64": path, "code_sha256": ..., "files": {path in the release: sha256}}.
+`archive_b64` is the archive in base64 (text a lookup can read): the role hands it to its module in
+the task's arguments, so the release needs no file transfer of its own.
 """
 
+import base64
 import datetime
 import gzip
 import hashlib
@@ -81,10 +84,19 @@ def pack(code_dir, dest_dir, revision, rendered):
             pass
         finally:
             os.unlink(tmp)
+    encoded = f"{archive}.b64"
+    if not os.path.exists(encoded):
+        with open(archive, "rb") as fh:
+            data = base64.b64encode(fh.read())
+        tmp = f"{encoded}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, encoded)
     with tarfile.open(archive) as tar:
         checksums = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
                      for m in tar.getmembers() if m.isfile()}
-    return {"id": rid, "archive": archive, "code_sha256": code_sha, "files": checksums}
+    return {"id": rid, "archive": archive, "archive_b64": encoded, "code_sha256": code_sha,
+            "files": checksums}
 
 
 def main(argv):
