@@ -99,8 +99,9 @@ options:
     description:
       - The pid of the run the caller inspected earlier, or V(0) for no run. If a live run with
         another pid holds the pidfile when the module acts (a concurrent deploy or an operator
-        started one), nothing is signalled or started and the module fails saying so. A run that
-        is gone counts as expected.
+        started one), nothing is signalled or started and the module fails saying so. So it does
+        when the pidfile is gone (only a stop removes it). A run that died on its own, its pidfile
+        left behind, counts as expected.
     type: int
   environment_file:
     description:
@@ -732,7 +733,14 @@ def check_expected(params, record, verdict):
     """Optimistic concurrency: `expect_pid` is the run this play inspected (0: none). A live run with
     another pid means somebody else started one since; nothing may be signalled or started."""
     expected = params["expect_pid"]
-    if expected is None or verdict != "live" or record["pid"] == expected:
+    if expected is None:
+        return
+    if verdict == "absent" and expected:
+        # Only a stop removes a pidfile (a run that dies leaves a stale one): somebody stopped it.
+        raise RunError(f"run {params['name']} changed under this deploy: expected pid {expected}, but its "
+                       f"pidfile {params['pidfile']} is gone: {CHANGED_UNDER}. Nothing was signalled or "
+                       f"started; rerun to act on the run as it is now.")
+    if verdict != "live" or record["pid"] == expected:
         return
     what = f"pid {expected}" if expected else "no run"
     raise RunError(f"run {params['name']} changed under this deploy: expected {what}, found a live run "

@@ -322,10 +322,16 @@ def test_expect_pid_refuses_a_run_that_changed_meanwhile(run):
     # The run it saw is still there: it acts.
     result, rc = run.call(state="stopped", expect_pid=first)
     assert rc == 0 and result["how"] == "terminated" and not alive(first)
-    # A run that is gone counts as expected: nothing to stop, and a start may follow.
+    # Its pidfile is gone: somebody stopped it since this play looked, so the play must not go on.
     result, rc = run.call(state="stopped", expect_pid=first)
-    assert rc == 0 and result["how"] == "already_stopped"
-    assert run.start(expect_pid=0)["pid"] != first
+    assert rc == 1 and "another deploy" in result["msg"] and "pidfile" in result["msg"]
+    second = run.start(expect_pid=0)["pid"]
+    assert second != first
+    # A run that died on its own (its pidfile left behind, stale) counts as expected.
+    os.kill(second, signal.SIGKILL)
+    assert wait_for(lambda: not alive(second))
+    result, rc = run.call(state="stopped", expect_pid=second)
+    assert rc == 0 and result["how"] == "stale_pidfile" and result["signalled"] == []
 
 
 def test_wait_for_returns_once_the_run_logs_progress(run):
