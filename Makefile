@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-APT_PKGS := lxc openssh-server
+APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
 
 .PHONY: help setup test test-reliability lint bench demo sim-up sim-down clean
@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## Install apt packages (lxc, openssh-server) and the pinned venv; silent when done.
+setup: $(STAMP) ## Install apt packages (lxc, openssh-server, sudo) and the pinned venv; silent when done.
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: apt-get install$$missing"; \
