@@ -79,6 +79,7 @@ def deploy_argv(fleet) -> list[str]:
 class KilledDeploy:
     delay: float
     killed: bool          # False: the deploy finished before the kill was due
+    elapsed: float        # how long it ran: the whole deploy when it was not killed
     returncode: int
     heading: str          # the last task it announced
     output: str
@@ -92,6 +93,7 @@ def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
     """Run deploy.yml in its own process group and SIGKILL the whole group after `delay` seconds.
     The default callback announces each task as it starts (unbuffered), which names the phase."""
     env = {**fleet.env(), "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -103,7 +105,7 @@ def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
             killed = True
         returncode = proc.wait(timeout=60)
     output = log.read_text()
-    return KilledDeploy(delay, killed, returncode, last_heading(output), output)
+    return KilledDeploy(delay, killed, time.monotonic() - started, returncode, last_heading(output), output)
 
 
 def container_quiet(fleet, vmid=VMID) -> list[str]:

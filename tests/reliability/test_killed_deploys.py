@@ -2,12 +2,13 @@
 half-made state that the next deploy cannot repair.
 
 Each trial changes the code (so the deploy must ship a new release and restart the run), starts
-deploy.yml in its own process group, kills the group at a random time in [0, T] (T: a measured full
-deploy), waits until the tasks that were already running in the container have finished, then
-checks: `current` points to a complete release (every file with the checksum of the controller's
-archive, REVISION, a config that validates); exactly one of: the old run still running, a new run
-on the live release, or no run because the old one was stopped cleanly (its SIGTERM checkpoint and
-stop are in the log); never two runs holding the GPUs, never a run killed without its checkpoint.
+deploy.yml in its own process group, kills the group at a random time in [0, T] (T: the duration of
+the first deploy, then of the last code-change deploy that finished before its kill was due),
+waits until the tasks that were already running in the container have finished, then checks:
+`current` points to a complete release (every file with the checksum of the controller's archive,
+REVISION, a config that validates); exactly one of: the old run still running, a new run on the
+live release, or no run because the old one was stopped cleanly (its SIGTERM checkpoint and stop
+are in the log); never two runs holding the GPUs, never a run killed without its checkpoint.
 Then deploy.yml runs again and must converge: rc 0, the new release live, the run on it, resumed
 from the last checkpoint (first step = saved step + 1).
 """
@@ -136,6 +137,10 @@ def test_a_killed_deploy_leaves_a_valid_release_and_one_run_and_the_next_deploy_
         assert old and fleet.alive(VMID, old["pid"]), where
         change_code(fleet.src, f"killed deploy {i}")
         killed = kill_deploy_after(fleet, rng.uniform(0, full_deploy_s), tmp_path / f"deploy-{i}.log")
+        if not killed.killed:
+            # It finished first: a whole deploy with a code change, the better measure of T.
+            assert killed.returncode == 0, f"{where}: the deploy failed by itself:\n{killed.output[-3000:]}"
+            full_deploy_s = killed.elapsed
         quiet_s = wait_until_quiet(fleet)
         outcome = after_kill(fleet, old, offset)
         violations += [f"{where}, killed in {killed.phase} ({killed.heading}): {v}"
