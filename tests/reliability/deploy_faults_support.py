@@ -35,7 +35,7 @@ PHASE_RULES = (
     ("dflash_release", "previous", "switch"),
     ("dflash_release", "kept", "prune"),
     ("dflash_release", "list the releases", "prune"),
-    ("dflash_release", "pack", "pack"),
+    ("dflash_release", "pack the release", "pack"),
     ("dflash_release", "revision on the controller", "pack"),
     ("dflash_release", "name the release", "pack"),
     ("dflash_release", "", "stage"),
@@ -63,6 +63,8 @@ def phase_of(heading: str) -> str:
 
 
 def last_heading(output: str) -> str:
+    """The last task the killed playbook announced (the work in flight may be one task further:
+    the announcement and the task's start are not one step)."""
     headings = [line.strip(" *") for line in output.splitlines()
                 if line.startswith(("TASK [", "RUNNING HANDLER [", "PLAY RECAP"))]
     return headings[-1] if headings else "(nothing started)"
