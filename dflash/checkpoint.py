@@ -2,8 +2,12 @@
 
 `<output_dir>/checkpoints/step-00000100/` holds `model.safetensors` (the drafter's trainable
 weights), `trainer.pt` (optimizer, scheduler, data position, RNG states), `config.yaml` and
-`meta.json`. Everything is written into a hidden temp dir next to it, fsynced, then renamed into
-place, so an interrupted save leaves either the previous checkpoints or the complete new one.
+`meta.json`. Everything is written into a hidden temp dir next to it (mode 0700 while it is being
+written), fsynced, then renamed into place, so an interrupted save leaves either the previous
+checkpoints or the complete new one; the temp dir it leaves is removed by the next run. Old
+checkpoints are renamed aside before they are deleted, so a kill during the deletion never leaves a
+partial `step-*` dir. Checkpoints are never writable by group or other users (dirs 0755, files 0644,
+less what the umask removes), whatever the umask the run was started with.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
+# A checkpoint moved aside while a new save of the same step replaces it.
+_REPLACED_PREFIX = f"{_TMP_PREFIX}old-"
+CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml", "meta.json")
 
 
 def checkpoint_name(step: int) -> str:
@@ -44,7 +52,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir()
              if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / "meta.json").is_file()]
+             and all((p / name).is_file() for name in CHECKPOINT_FILES)]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -54,12 +62,20 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def remove_partial_saves(output_dir: str | Path) -> None:
-    """Delete temp dirs left by a save that a kill interrupted."""
+    """Delete temp dirs left by a save that a kill interrupted. A complete checkpoint that a kill
+    caught after it was moved aside and before its replacement was renamed in goes back in place."""
     root = Path(output_dir) / CHECKPOINT_DIR
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith(_TMP_PREFIX):
+            continue
+        if p.name.startswith(_REPLACED_PREFIX):
+            original = root / p.name[len(_REPLACED_PREFIX):].rsplit("-", 1)[0]
+            if not original.exists() and all((p / name).is_file() for name in CHECKPOINT_FILES):
+                p.rename(original)
+                continue
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def rng_state() -> dict:
@@ -80,22 +96,24 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     trainer_state: dict, config_yaml: str, meta: dict, keep: int) -> Path:
     """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    root = ensure_dir(Path(output_dir) / CHECKPOINT_DIR)
     final = root / checkpoint_name(step)
     tmp = root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # Private while it is written: no other user can open a file in it before its mode is final.
+    tmp.mkdir(mode=0o700)
     save_file({k: v.contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
-    for f in tmp.iterdir():
-        _fsync(f)
+    for name in CHECKPOINT_FILES:
+        os.chmod(tmp / name, output_mode(FILE_MODE))
+        _fsync(tmp / name)
+    os.chmod(tmp, output_mode(DIR_MODE))
     _fsync(tmp)
     if final.exists():
         # A checkpoint of this step already exists (a save after resuming at it): replace it.
-        old = root / f"{_TMP_PREFIX}old-{checkpoint_name(step)}-{os.getpid()}"
+        old = root / f"{_REPLACED_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
@@ -103,7 +121,9 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         tmp.rename(final)
     _fsync(root)
     for stale in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+        doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
+        stale.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

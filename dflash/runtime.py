@@ -5,6 +5,9 @@
   stop, error) and, on a TTY, a progress bar on stderr.
 - `StopSignal` turns SIGTERM and SIGINT into a flag the loop polls between steps; a second signal
   while the checkpoint is being written only sets the flag again, so it cannot corrupt the save.
+- `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
+  (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
+  stricter umask removes), so no other user can change a run's state or its checkpoints.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -20,6 +24,53 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 STATES = ("starting", "running", "stopping", "stopped", "failed")
+DIR_MODE, FILE_MODE = 0o755, 0o644
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def process_umask() -> int:
+    """The umask of this process, read without changing it (os.umask would, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def output_mode(mode: int) -> int:
+    """`mode` less what the umask removes, and never writable by group or others."""
+    return mode & ~(process_umask() | _OTHERS_WRITE)
+
+
+def ensure_dir(path: str | Path) -> Path:
+    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` that
+    this user owns loses group and other write permission: a run's output directory made
+    world-writable by hand or by a umask of 000 does not stay so."""
+    path = Path(path)
+    missing = []
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, output_mode(DIR_MODE))
+        except FileExistsError:
+            pass
+    info = path.stat()
+    if info.st_mode & _OTHERS_WRITE and info.st_uid == os.geteuid():
+        os.chmod(path, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
+    return path
+
+
+def write_file(path: str | Path, text: str) -> None:
+    """Write `text` to `path` with FILE_MODE less the umask, even when the file existed before."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), output_mode(FILE_MODE))
+        f.write(text)
 
 
 def _finite(value):
@@ -29,8 +80,7 @@ def _finite(value):
 
 class StatusFile:
     def __init__(self, output_dir: str | Path, workers: dict | None = None):
-        self.path = Path(output_dir) / "status.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
                        "last_checkpoint": None, "pid": os.getpid(), "workers": workers or {}}
 
@@ -43,7 +93,7 @@ class StatusFile:
         self.fields.update({k: _finite(v) for k, v in fields.items()})
         record = {**self.fields, "updated_at": datetime.now(UTC).isoformat(timespec="seconds")}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        write_file(tmp, json.dumps(record, indent=2) + "\n")
         os.replace(tmp, self.path)
 
 

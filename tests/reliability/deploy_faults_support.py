@@ -1,0 +1,205 @@
+"""Helpers for the killed-deploy tests: a deploy.yml killed at a chosen moment, the phase it was
+in, the container left quiet, and the invariants a killed deploy must keep."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from roles_support import REPO, VENV_BIN
+
+VMID = 200
+RELEASES = "/opt/dflash/releases"
+CURRENT = "/opt/dflash/current"
+VENV_PYTHON = "/opt/dflash/venv/bin/python"
+LOG = "/var/log/dflash/main.log"
+BUILD_DIR = REPO / ".cache" / "releases"
+
+# The phase a task belongs to, by its role and words of its name (the first match wins). Task names
+# may change: an unknown one falls back to its role's phase.
+PHASE_RULES = (
+    ("dflash_run", "stop", "stop"),
+    ("dflash_run", "idle", "gpus idle"),
+    ("dflash_run", "start the run", "start"),
+    ("dflash_run", "log before", "start"),
+    ("dflash_run", "", "run check"),
+    ("dflash_release", "kept", "prune"),
+    ("dflash_release", "symlink", "switch"),
+    ("dflash_release", "previous", "switch"),
+    ("dflash_release", "list the releases", "prune"),
+    ("dflash_release", "pack the release", "pack"),
+    ("dflash_release", "revision on the controller", "pack"),
+    ("dflash_release", "name the release", "pack"),
+    ("dflash_release", "", "stage"),
+    ("dflash_env", "", "environment"),
+    ("proxmox_host", "", "node checks"),
+    # The play's own tasks (preflight, include_role).
+    ("", "inventory", "preflight"),
+    ("", "node", "node checks"),
+    ("", "environment", "environment"),
+    ("", "release", "pack"),
+    ("", "run", "run check"),
+)
+
+
+def phase_of(heading: str) -> str:
+    """The phase of a `TASK [role : name]` / `RUNNING HANDLER [...]` / `PLAY RECAP` line."""
+    if heading.startswith("PLAY RECAP"):
+        return "finished"
+    inside = heading[heading.index("[") + 1: heading.rindex("]")] if "[" in heading else heading
+    role, _, name = inside.partition(" : ") if " : " in inside else ("", "", inside)
+    for rule_role, words, phase in PHASE_RULES:
+        if rule_role == role.strip() and words in name.lower():
+            return phase
+    return role.strip() or "play"
+
+
+def last_heading(output: str) -> str:
+    """The last task the killed playbook announced (the work in flight may be one task further:
+    the announcement and the task's start are not one step)."""
+    headings = [line.strip(" *") for line in output.splitlines()
+                if line.startswith(("TASK [", "RUNNING HANDLER [", "PLAY RECAP"))]
+    return headings[-1] if headings else "(nothing started)"
+
+
+def deploy_argv(fleet) -> list[str]:
+    """What Fleet.play runs for deploy.yml, for a run that must be killed half-way."""
+    return [str(VENV_BIN / "ansible-playbook"), "-i", str(fleet.inventory),
+            str(REPO / "playbooks" / "deploy.yml"), "-e", f"dflash_env_project_dir={fleet.src}",
+            "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}"]
+
+
+@dataclass
+class KilledDeploy:
+    delay: float
+    killed: bool          # False: the deploy finished before the kill was due
+    elapsed: float        # how long it ran: the whole deploy when it was not killed
+    returncode: int
+    heading: str          # the last task it announced
+    output: str
+
+    @property
+    def phase(self) -> str:
+        return phase_of(self.heading) if self.killed else "finished"
+
+
+def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
+    """Run deploy.yml in its own process group and SIGKILL the whole group after `delay` seconds.
+    The default callback announces each task as it starts (unbuffered), which names the phase."""
+    env = {**fleet.env(), "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        killed = False
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            killed = True
+        returncode = proc.wait(timeout=60)
+    output = log.read_text()
+    return KilledDeploy(delay, killed, time.monotonic() - started, returncode, last_heading(output), output)
+
+
+def container_quiet(fleet, vmid=VMID) -> list[str]:
+    """Processes of the container still running for an Ansible task (entered through pct exec, so
+    in no session of the container), besides this probe itself."""
+    res = fleet.ct(vmid, "echo $$; ps -eo pid=,ppid=,sid=,args=")
+    lines = res.stdout.splitlines()
+    probe = lines[0].strip()
+    busy = []
+    for line in lines[1:]:
+        pid, ppid, sid, args = line.split(None, 3)
+        if sid == "0" and probe not in (pid, ppid):
+            busy.append(f"{pid} {args}")
+    return busy
+
+
+def wait_until_quiet(fleet, timeout=300, vmid=VMID) -> float:
+    """Wait until no task of the killed deploy is still at work in the container (a module already
+    running there finishes its work after the controller is gone); returns the seconds waited."""
+    started = time.monotonic()
+    quiet_since = None
+    while time.monotonic() - started < timeout:
+        if container_quiet(fleet, vmid):
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= 3:
+            return time.monotonic() - started
+        time.sleep(1)
+    raise AssertionError(f"CT {vmid} still busy after {timeout} s: {container_quiet(fleet, vmid)}")
+
+
+def release_files(release_id: str) -> dict[str, str]:
+    """{path in the release: sha256} of the archive the controller built for `release_id`."""
+    with tarfile.open(BUILD_DIR / f"{release_id}.tar.gz") as tar:
+        return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+                for m in tar.getmembers() if m.isfile()}
+
+
+def release_problems(fleet, release_dir: str, vmid=VMID) -> list[str]:
+    """Why `release_dir` is not a complete, validated release ([] when it is)."""
+    if not release_dir.startswith(f"{RELEASES}/"):
+        return [f"current points to {release_dir!r}, not a release"]
+    release_id = Path(release_dir).name
+    if not (BUILD_DIR / f"{release_id}.tar.gz").exists():
+        return [f"release {release_id} has no archive on the controller"]
+    expected = release_files(release_id)
+    find = f"cd {shlex.quote(release_dir)} && find . -type f ! -path '*/__pycache__/*' -exec sha256sum {{}} +"
+    out = fleet.ct(vmid, find).stdout
+    found = {line.split(None, 1)[1].strip()[2:]: line.split()[0] for line in out.splitlines()}
+    problems = []
+    if found != expected:
+        missing = sorted(set(expected) - set(found))
+        differ = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+        extra = sorted(set(found) - set(expected))
+        problems.append(f"release {release_id}: missing {missing}, different {differ}, extra {extra}")
+    if "REVISION" not in found:
+        problems.append(f"release {release_id} has no REVISION")
+    quoted = shlex.quote(release_dir)
+    validate = fleet.ct(vmid, f"PYTHONPATH={quoted} {VENV_PYTHON} -m dflash.config validate "
+                              f"--no-target-check {quoted}/config.yaml", timeout=120)
+    if validate.returncode != 0:
+        problems.append(f"release {release_id}: config does not validate: {validate.stderr.strip()}")
+    return problems
+
+
+def log_events(fleet, vmid=VMID, offset=0) -> list[dict]:
+    """The run log's JSON events from byte `offset` on."""
+    res = fleet.ct(vmid, f"tail -c +{offset + 1} {LOG}")
+    lines = res.stdout.splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{") and line.endswith("}")]
+
+
+def log_size(fleet, vmid=VMID) -> int:
+    res = fleet.ct(vmid, f"stat -c %s {LOG}")
+    return int(res.stdout) if res.returncode == 0 else 0
+
+
+def gpu_holders(fleet, vmid=VMID) -> set[str]:
+    """The pids that hold a GPU, as the container's nvidia-smi reports them."""
+    res = fleet.ct(vmid, "nvidia-smi --query-compute-apps=pid --format=csv,noheader,nounits")
+    assert res.returncode == 0, res.stderr
+    return {line.strip() for line in res.stdout.splitlines() if line.strip()}
+
+
+def group_members(fleet, pgid: int, vmid=VMID) -> list[str]:
+    return fleet.ct(vmid, f"ps -o pid= -g {int(pgid)}").stdout.split()
+
+
+@dataclass
+class Outcome:
+    """What a killed deploy left: the live release, the run and what became of the old run."""
+    state: str = ""                       # old running | new running | stopped
+    violations: list[str] = field(default_factory=list)
+    saved_step: int | None = None         # when stopped: the step the old run checkpointed at

@@ -1,0 +1,167 @@
+"""deploy.yml killed at a random moment (SIGKILL to its whole process group) never leaves a
+half-made state that the next deploy cannot repair.
+
+Each trial changes the code (so the deploy must ship a new release and restart the run), starts
+deploy.yml in its own process group, kills the group at a random time in [0, T] (T: the duration of
+the first deploy, then of the last code-change deploy that finished before its kill was due),
+waits until the tasks that were already running in the container have finished, then checks:
+`current` points to a complete release (every file with the checksum of the controller's archive,
+REVISION, a config that validates); exactly one of: the old run still running, a new run on the
+live release, or no run because the old one was stopped cleanly (its SIGTERM checkpoint and stop
+are in the log); never two runs holding the GPUs, never a run killed without its checkpoint.
+Then deploy.yml runs again and must converge: rc 0, the new release live, the run on it, resumed
+from the last checkpoint (first step = saved step + 1).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+
+import pytest
+from checkpoint_support import trials
+from deploy_faults_support import (
+    VMID,
+    Outcome,
+    gpu_holders,
+    group_members,
+    kill_deploy_after,
+    log_events,
+    log_size,
+    release_problems,
+    wait_until_quiet,
+)
+from roles_support import Fleet, change_code
+
+pytestmark = [pytest.mark.sim, pytest.mark.slow]
+
+HEADER = "trial  kill at s  phase        after the kill  quiet s  converge s  last task"
+ROW = "{:5}  {:9}  {:11}  {:14}  {:7}  {:10}  {}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("killed-deploys"), nodes=1, containers=(VMID,))
+    yield f
+    f.down()
+
+
+def first_stop(events: list[dict]) -> dict | None:
+    return next((e for e in events if e["event"] == "stop"), None)
+
+
+def after_kill(fleet, old: dict, offset: int) -> Outcome:
+    """The state a killed deploy left, once the container is quiet, with what is wrong with it."""
+    out = Outcome()
+    current = fleet.live_release(VMID)
+    out.violations += release_problems(fleet, current)
+    info = fleet.run_info(VMID)
+    live = info is not None and fleet.alive(VMID, info["pid"])
+    old_left = group_members(fleet, old["pgid"])
+    if live and info["pid"] == old["pid"]:
+        out.state = "old running"
+    else:
+        out.state = "new running" if live else "stopped"
+        if old_left:
+            out.violations.append(f"the old run's group is alive ({old_left}) but not in the pidfile")
+        stop = first_stop(log_events(fleet, offset=offset))
+        if stop is None or stop.get("reason") != "signal SIGTERM":
+            out.violations.append(f"the old run ended without a clean SIGTERM stop (its stop event: {stop})")
+        else:
+            out.saved_step = stop["step"]
+        if live and info["argv"] != [f"{current}/run.sh"]:
+            out.violations.append(f"the new run {info['argv']} is not on the live release {current}")
+    holders = gpu_holders(fleet)
+    if len(holders) != int(live):
+        out.violations.append(f"GPU holders {sorted(holders)} with {int(live)} live run(s)")
+    return out
+
+
+def wait_for_first_step(fleet, pid: int, offset: int, timeout=180) -> list[dict]:
+    """The log's events from `offset` once the run `pid` has logged its first step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = log_events(fleet, offset=offset)
+        start = next((i for i, e in enumerate(events) if e["event"] == "start" and e.get("pid") == pid), None)
+        if start is not None and any(e["event"] == "step" for e in events[start:]):
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {pid} logged no step within {timeout} s: {events[-5:]}")
+        time.sleep(2)
+
+
+def after_converge(fleet, old: dict, old_release: str, outcome: Outcome, offset: int) -> list[str]:
+    """What is wrong after the deploy that followed the killed one."""
+    problems = []
+    live_release = fleet.live_release(VMID)
+    problems += release_problems(fleet, live_release)
+    if live_release == old_release:
+        problems.append("the code change never became live")
+    info = fleet.run_info(VMID)
+    if info is None or not fleet.alive(VMID, info["pid"]):
+        return [*problems, f"no live run after the deploy (pidfile {info})"]
+    if info["argv"] != [f"{live_release}/run.sh"]:
+        problems.append(f"the run {info['argv']} is not on the live release {live_release}")
+    if info["pid"] == old["pid"] or group_members(fleet, old["pgid"]):
+        problems.append("the old run is still alive")
+    events = wait_for_first_step(fleet, info["pid"], offset)
+    start = next(i for i, e in enumerate(events) if e["event"] == "start" and e.get("pid") == info["pid"])
+    saves = [e["step"] for e in events[:start] if e["event"] == "checkpoint"]
+    resume = events[start - 1] if start else {}
+    first_step = next(e["step"] for e in events[start:] if e["event"] == "step")
+    if resume.get("event") != "resume" or not saves or resume["step"] != saves[-1]:
+        problems.append(f"the run did not resume from the last checkpoint (saves {saves}, then {resume})")
+    elif outcome.saved_step is not None and resume["step"] != outcome.saved_step:
+        problems.append(f"resumed at {resume['step']}, the stopped run saved {outcome.saved_step}")
+    if not (resume.get("step", 0) > 0 and first_step == resume["step"] + 1):
+        problems.append(f"first step {first_step} after resuming at {resume.get('step')}")
+    if len(gpu_holders(fleet)) != 1:
+        problems.append(f"GPU holders {sorted(gpu_holders(fleet))}")
+    return problems
+
+
+def test_a_killed_deploy_leaves_a_valid_release_and_one_run_and_the_next_deploy_converges(fleet, tmp_path):
+    n = trials(2, 20)
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    started = time.monotonic()
+    res = fleet.play("deploy.yml")
+    assert res.rc == 0, res
+    full_deploy_s = time.monotonic() - started
+
+    rows, violations = [], []
+    for i in range(n):
+        where = f"trial {i} (seed {seed})"
+        old, old_release, offset = fleet.run_info(VMID), fleet.live_release(VMID), log_size(fleet)
+        assert old and fleet.alive(VMID, old["pid"]), where
+        change_code(fleet.src, f"killed deploy {i}")
+        killed = kill_deploy_after(fleet, rng.uniform(0, full_deploy_s), tmp_path / f"deploy-{i}.log")
+        if not killed.killed:
+            # It finished first: a whole deploy with a code change, the better measure of T.
+            assert killed.returncode == 0, f"{where}: the deploy failed by itself:\n{killed.output[-3000:]}"
+            full_deploy_s = killed.elapsed
+        quiet_s = wait_until_quiet(fleet)
+        outcome = after_kill(fleet, old, offset)
+        violations += [f"{where}, killed in {killed.phase} ({killed.heading}): {v}"
+                       for v in outcome.violations]
+
+        converge_started = time.monotonic()
+        res = fleet.play("deploy.yml")
+        converge_s = time.monotonic() - converge_started
+        assert res.rc == 0, f"{where}: the deploy after the kill did not converge: {res}"
+        violations += [f"{where}, after converging: {v}"
+                       for v in after_converge(fleet, old, old_release, outcome, offset)]
+        rows.append((i, round(killed.delay, 1), killed.phase, outcome.state, round(quiet_s, 1),
+                     round(converge_s, 1), killed.heading))
+        print(ROW.format(*rows[-1]), flush=True)
+
+    phases = collections.Counter(row[2] for row in rows)
+    states = collections.Counter(row[3] for row in rows)
+    print(f"\nkilled deploys: {n} trials, seed {seed}, full deploy {full_deploy_s:.1f} s, "
+          f"{time.monotonic() - started:.0f} s in all")
+    print(HEADER)
+    for row in rows:
+        print(ROW.format(*row))
+    print(f"phases: {dict(phases)}; states: {dict(states)}; violations: {len(violations)}")
+    assert not violations, "\n".join(violations)
