@@ -21,7 +21,6 @@ POINTS, in the order a save reaches them:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import os
 import re
@@ -33,17 +32,6 @@ POINTS = ("tmp-dir", "model", "trainer-half", "files-written", "sealed", "rename
 # The points at which the new checkpoint is not yet in place: a crash there keeps the previous one.
 BEFORE_RENAME = POINTS[:5]
 PAUSE_LIMIT_S = 60
-
-
-def trials(fast: int, full: int) -> int:
-    """conftest.trials of this directory. Every conftest is a module named `conftest`, so
-    `from conftest import trials` gets whichever pytest loaded last (another directory's, when
-    pytest is given paths in several); loading it by path does not depend on that."""
-    path = Path(__file__).with_name("conftest.py")
-    spec = importlib.util.spec_from_file_location("reliability_conftest", path)
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    return conftest.trials(fast, full)
 
 
 class SaveHooks:

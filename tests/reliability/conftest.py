@@ -5,20 +5,15 @@ DFLASH_RELIABILITY_FULL=1 and runs the full counts the README reports (at least 
 20 killed deploys, ...). Tests marked `reliability_full` run only then.
 """
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles"))  # roles_support
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trial_counts and the *_support modules
 
-FULL = os.environ.get("DFLASH_RELIABILITY_FULL") == "1"
-
-
-def trials(fast, full):
-    """How many randomised trials a test runs: `full` under make test-reliability, else `fast`."""
-    return full if FULL else fast
+from trial_counts import FULL  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

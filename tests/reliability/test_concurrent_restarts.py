@@ -11,7 +11,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import trials
 from stops_support import (
     PIDFILE,
     ensure_runs,
@@ -23,6 +22,7 @@ from stops_support import (
     spawn,
     still_there,
 )
+from trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import trials
 from stops_support import (
     CONTAINERS,
     LOG,
@@ -33,6 +32,7 @@ from stops_support import (
     still_there,
     training_run,
 )
+from trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

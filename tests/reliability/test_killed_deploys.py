@@ -20,7 +20,6 @@ import random
 import time
 
 import pytest
-from checkpoint_support import trials
 from deploy_faults_support import (
     VMID,
     Outcome,
@@ -33,6 +32,7 @@ from deploy_faults_support import (
     wait_until_quiet,
 )
 from roles_support import Fleet, change_code
+from trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
