@@ -16,6 +16,8 @@ from pathlib import Path
 
 from roles_support import REPO, VENV_BIN
 
+from pvesim import procs
+
 VMID = 200
 RELEASES = "/opt/dflash/releases"
 CURRENT = "/opt/dflash/current"
@@ -103,7 +105,16 @@ def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
+            # A crashed controller takes its whole process tree; Ansible's workers call setsid, so
+            # the group kill alone would leave a task in flight orphaned (blocked on its parent's pipe).
+            workers = [(pid, procs.start_time(pid)) for pid in procs.descendants(proc.pid)]
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid, started in workers:
+                if procs.is_alive(pid, started):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             killed = True
         returncode = proc.wait(timeout=60)
     output = log.read_text()
