@@ -34,7 +34,7 @@ test-reliability: setup ## The full reliability suite (randomised trials at the 
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
 lint: setup ## ruff, yamllint and ansible-lint (production profile).
-	$(VENV)/bin/ruff check dflash pvesim library tests benchmarks
+	$(VENV)/bin/ruff check dflash pvesim library connection_plugins tests benchmarks
 	$(VENV)/bin/yamllint -s .
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production playbooks roles
 

@@ -11,7 +11,7 @@ run), and shows that part apart.
 
 Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
 (the same figures as `profile_tasks`), grouped by kind of work: the node checks over ssh, container
-tasks through `proxmox_pct_remote` (ssh to the node, then `pct exec`), the venv module call, the
+tasks through `pct_pipelined` (ssh to the node, then one `pct exec`), the venv module call, the
 release's unpack (the archive rides in the task's arguments), validation and switch, the
 controller's wheel build and packing. Also reported: the bytes each container gets in task
 arguments, the load average before and after each size (the machine may be shared), and, on the
@@ -208,7 +208,7 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
             ("ssh_pct_exec_python_s", "ssh node pct exec CT -- python3 -c pass"),
             ("ansible_localhost_ping_s", "ansible localhost -m ping (process start)"),
             ("ansible_node_ping_s", "ansible node -m ping (ssh, pipelining)"),
-            ("ansible_ct_ping_s", "ansible CT -m ping (proxmox_pct_remote)"),
+            ("ansible_ct_ping_s", "ansible CT -m ping (pct_pipelined)"),
             ("ansible_ct_copy_small_s", "ansible CT -m copy, a few bytes"),
             ("ansible_ct_copy_8mib_s", "ansible CT -m copy, 8 MiB"),
             ("ansible_all_ct_ping_s",

@@ -5,7 +5,7 @@ A sim and its deploy setup come from the role tests' helpers (`tests/roles/roles
 and the tiny demo assets). Plays run with the `ansible.posix.json` callback, whose per-task start and
 end times are the profile here: each task's wall time (the slowest host of its batch), what kind
 of work it is (from the task file it comes from and its action), and what ran on the controller,
-on a node over ssh, or in a container through `proxmox_pct_remote`.
+on a node over ssh, or in a container through `pct_pipelined`.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def summarize_categories(rows: list[dict]) -> dict:
 
 def remote_task_seconds(rows: list[dict]) -> list[float]:
     """Wall times of the single-round-trip container tasks (stat, file, find): what one task through
-    proxmox_pct_remote costs when the module itself does almost nothing."""
+    pct_pipelined costs when the module itself does almost nothing."""
     cheap = {"ansible.builtin.stat", "ansible.builtin.file", "ansible.builtin.find"}
     return [r["seconds"] for r in rows if r["ran"] and r["action"] in cheap
             and categorize(r) != "node checks (ssh to the node)"]

@@ -26,6 +26,8 @@ MAX_GPUS = 16
 # The python of a Debian/Proxmox node, also what containers see through their overlay root. Named in the
 # inventory because interpreter discovery would follow whatever the login shell puts first on PATH.
 NODE_PYTHON = "/usr/bin/python3"
+# The project's connection (connection_plugins/pct_pipelined.py): proxmox_pct_remote with pipelining.
+CONNECTION = "pct_pipelined"
 
 
 @dataclass
@@ -303,7 +305,7 @@ def inventory_data(sim):
         }
         for vmid in n.containers:
             container_hosts[f"ct{vmid}"] = {
-                "ansible_connection": "community.proxmox.proxmox_pct_remote",
+                "ansible_connection": CONNECTION,
                 "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
                 "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
                 "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,

@@ -1,4 +1,5 @@
-"""Ansible reaches the sim's nodes over ssh, its containers through proxmox_pct_remote."""
+"""Ansible reaches the sim's nodes over ssh, its containers through pct_pipelined
+(community.proxmox.proxmox_pct_remote with pipelining)."""
 
 import json
 import uuid
@@ -22,7 +23,7 @@ def test_inventory_puts_containers_behind_the_pct_connection(sim, run_ansible):
     assert sorted(inv["training_containers"]["hosts"]) == ["ct200", "ct201", "ct202", "ct203"]
     ct202 = inv["_meta"]["hostvars"]["ct202"]
     pve2 = sim.node("pve2")
-    assert ct202["ansible_connection"] == "community.proxmox.proxmox_pct_remote"
+    assert ct202["ansible_connection"] == "pct_pipelined"
     assert (ct202["ansible_host"], ct202["ansible_port"]) == (pve2.address, pve2.port)
     assert ct202["proxmox_vmid"] == 202
     assert ct202["pvesim_node"] == "pve2"
@@ -44,3 +45,23 @@ def test_copy_lands_in_the_container_only(sim, run_ansible, tmp_path):
     assert on_node.returncode == 1
     other_ct = sim.ssh("pve1", f"pct exec 200 -- test -e /root/{name}")
     assert other_ct.returncode == 1
+
+
+def _pct_execs(res):
+    return [line for line in (res.stdout + res.stderr).splitlines() if "EXEC /usr/sbin/pct exec" in line]
+
+
+def test_pct_pipelined_runs_a_module_in_one_pct_exec(sim, run_ansible):
+    """The project's connection pipelines: the module reaches the container's python on stdin in one
+    `pct exec`; switched off (or with the collection's own connection) it takes five or more."""
+    piped = run_ansible("ansible", "ct201", "-m", "ansible.builtin.command", "-a", "cat /etc/hostname",
+                        "-vvv", check=True)
+    assert "ct201 | CHANGED" in piped.stdout
+    assert len(_pct_execs(piped)) == 1, _pct_execs(piped)
+    assert "/usr/bin/python3 && sleep 0'" in _pct_execs(piped)[0]
+    for extra in ("ansible_pct_pipelining=false", "ansible_connection=community.proxmox.proxmox_pct_remote"):
+        plain = run_ansible("ansible", "ct201", "-m", "ansible.builtin.command", "-a", "cat /etc/hostname",
+                            "-vvv", "-e", extra, check=True)
+        assert len(_pct_execs(plain)) >= 5, (extra, _pct_execs(plain))
+        # Same container, same answer, either way.
+        assert plain.stdout.split("\n", 1)[0].split("|")[0] == piped.stdout.split("\n", 1)[0].split("|")[0]

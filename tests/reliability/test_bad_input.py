@@ -108,7 +108,7 @@ CASES = [
          words=("YAML parsing failed: Tabs are usually invalid in YAML", "vars.yml:2:1")),
     Case("A container without the connection settings", RESTART, CT200, no_connection_settings,
          own_inventory_gone,
-         words=("ct200: a training container needs ansible_connection: community.proxmox.proxmox_pct_remote",
+         words=("ct200: a training container needs ansible_connection: pct_pipelined",
                 'ansible_connection is "unset"')),
     Case("A `proxmox_vmid` that is not a number", RESTART, CT200 + ("-e", "proxmox_vmid=ct200"),
          words=("needs proxmox_vmid, its numeric CT id", 'proxmox_vmid is "ct200"')),
