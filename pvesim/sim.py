@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -309,6 +310,9 @@ def inventory_data(sim):
                 "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
                 "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
                 "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
+                # A container's root is an overlay over the controller's /: the site-packages of the
+                # Python that brought the sim up (the project's venv) are visible inside.
+                "pvesim_site_packages": sysconfig.get_paths()["purelib"],
             }
     return {"all": {"children": {"proxmox_hosts": {"hosts": node_hosts},
                                  "training_containers": {"hosts": container_hosts}}}}

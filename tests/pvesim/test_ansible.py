@@ -2,7 +2,9 @@
 (community.proxmox.proxmox_pct_remote with pipelining)."""
 
 import json
+import sysconfig
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,9 @@ def test_inventory_puts_containers_behind_the_pct_connection(sim, run_ansible):
     assert (ct202["ansible_host"], ct202["ansible_port"]) == (pve2.address, pve2.port)
     assert ct202["proxmox_vmid"] == 202
     assert ct202["pvesim_node"] == "pve2"
+    # The venv's site-packages, which the sim's trainer venvs borrow (seen in the containers too).
+    assert ct202["pvesim_site_packages"] == sysconfig.get_paths()["purelib"]
+    assert (Path(ct202["pvesim_site_packages"]) / "yaml").is_dir()
     assert "StrictHostKeyChecking=yes" in inv["_meta"]["hostvars"]["pve1"]["ansible_ssh_common_args"]
 
 
