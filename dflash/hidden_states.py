@@ -7,8 +7,9 @@ The drafter needs only the T real tokens, concatenated over the k selected layer
   the padding with a boolean index (a second copy). Peak ~ (1 + B*Lmax/T) x the output.
 - `get_hidden_states_packed` copies each layer's real tokens straight into its column slice of a
   preallocated `[T, k*H]` output, so the padded concatenation never exists. Peak ~ 1 x the output.
-  On CPU, when every row's real tokens are one run (left or right padding), it copies row slices
-  (B*k strided copies, the fastest CPU path); otherwise, and always on GPU (one kernel per layer,
+  On CPU, when every row's real tokens are one run (left or right padding), it stacks each row's k
+  layer slices into the row's contiguous block of the output (B calls writing front to back, the
+  fastest CPU path); otherwise, and always on GPU (one kernel per layer,
   no host sync), `index_select(..., out=column_view)` gathers through the strided view without a
   temporary.
 
@@ -101,8 +102,11 @@ def get_hidden_states_packed(
     runs = _row_runs(attention_mask) if features.device.type == "cpu" else None
     if runs is not None:
         for row, (first, length, offset) in enumerate(runs):
-            for i, layer in enumerate(selected):
-                features[offset: offset + length, i].copy_(layer[row, first: first + length])
+            if length:
+                # One call per row: the k layers' slices interleave into the row's contiguous
+                # [length, k, H] block of the output, written front to back (views, no temporary).
+                torch.stack([layer[row, first: first + length] for layer in selected], dim=1,
+                            out=features[offset: offset + length])
     else:
         for i, layer in enumerate(selected):
             # Writes through the strided column view: no [T, H] temporary, no [B, Lmax, k*H] tensor.
