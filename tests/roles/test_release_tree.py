@@ -2,6 +2,7 @@
 local directories, with real release archives packed by the role's pack_release.py and validated by
 the trainer's own `python -m dflash.config validate`; and its documentation against its argument spec."""
 
+import base64
 import importlib.util
 import json
 import os
@@ -211,6 +212,22 @@ def test_the_directory_replaces_every_placeholder(tree):
                     validate_environment={"PYTHONPATH": "%s", "WHERE": "at %s"})
     staging = dflash_release_tree.staging_dir(first)
     assert res["validation"]["stdout"].split() == [f"{staging}/dflash/__init__.py", "at", staging]
+
+
+def test_containers_that_render_the_same_files_share_one_release_packed_once(tmp_path):
+    code = tmp_path / "pkg"
+    code.mkdir()
+    (code / "__init__.py").write_text("")
+    build = tmp_path / "build"
+    request = {"code_dir": str(code), "dest_dir": str(build),
+               "files": {"config.yaml": "a: 1\n", "run.sh": ""}}
+    other = {**request, "files": {"config.yaml": "a: 2\n", "run.sh": ""}}
+    packed = pack_release.pack_all("rev", {"ct200": request, "ct201": dict(request), "ct202": other})
+    assert packed["ct200"] == packed["ct201"] and packed["ct202"]["id"] != packed["ct200"]["id"]
+    assert sorted(os.listdir(build)) == sorted(f"{packed[h]['id']}.tar.gz{ext}" for h in ("ct200", "ct202")
+                                               for ext in ("", ".b64"))
+    with open(packed["ct202"]["archive_b64"]) as fh:
+        assert base64.b64decode(fh.read()) == open(packed["ct202"]["archive"], "rb").read()
 
 
 def ansible_doc(*args):
