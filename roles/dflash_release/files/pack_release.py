@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Pack one release (the trainer's code, its rendered files and REVISION) into a tar.gz on the controller.
+"""Pack the releases of a batch of containers (the trainer's code, each one's rendered files and REVISION)
+into tar.gz archives on the controller, in one process.
 
-Usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < {"config.yaml": text, "run.sh": text}
+Usage: pack_release.py SOURCE_REVISION < {NAME: {"code_dir": dir, "dest_dir": dir,
+                                                 "files": {"config.yaml": text, "run.sh": text}}, ...}
 
-The release id is a content hash of the code and the rendered files, so an unchanged tree and config
-give the same id (and the container gets nothing new). The archive of an id is written once (REVISION
-records when), so every container of that release gets the same bytes. Prints JSON:
-{"id": ..., "archive": path, "archive_b64": path, "code_sha256": ..., "files": {path in the release: sha256}}.
-`archive_b64` is the archive in base64 (text a lookup can read): the role hands it to its module in
-the task's arguments, so the release needs no file transfer of its own.
+NAME is a container's inventory name. The release id is a content hash of the code and the rendered
+files, so an unchanged tree and config give the same id (and the container gets nothing new), and
+containers that render the same files share one release: each distinct request is packed once. The
+archive of an id is written once (REVISION records when), so every container of that release gets the
+same bytes. Prints JSON {NAME: {"id": ..., "archive": path, "archive_b64": path, "code_sha256": ...,
+"files": {path in the release: sha256}}}. `archive_b64` is the archive in base64 (text a lookup can
+read): the role hands it to its module in the task's arguments, so the release needs no file transfer
+of its own.
 """
 
 import base64
@@ -99,13 +103,24 @@ def pack(code_dir, dest_dir, revision, rendered):
             "files": checksums}
 
 
+def pack_all(revision, requests):
+    """{name: pack()'s result} for every request; requests that are the same are packed once."""
+    packed, out = {}, {}
+    for name, request in requests.items():
+        key = json.dumps(request, sort_keys=True)
+        if key not in packed:
+            code_dir = request["code_dir"]
+            if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
+                sys.exit(f"pack_release: {code_dir} is not a Python package (no __init__.py)")
+            packed[key] = pack(code_dir, request["dest_dir"], revision, request["files"])
+        out[name] = packed[key]
+    return out
+
+
 def main(argv):
-    if len(argv) != 4:
-        sys.exit("usage: pack_release.py CODE_DIR DEST_DIR SOURCE_REVISION < rendered-files.json")
-    code_dir, dest_dir, revision = argv[1:]
-    if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
-        sys.exit(f"pack_release: {code_dir} is not a Python package (no __init__.py)")
-    print(json.dumps(pack(code_dir, dest_dir, revision or "unknown", json.load(sys.stdin))))
+    if len(argv) != 2:
+        sys.exit("usage: pack_release.py SOURCE_REVISION < requests.json")
+    print(json.dumps(pack_all(argv[1] or "unknown", json.load(sys.stdin))))
 
 
 if __name__ == "__main__":

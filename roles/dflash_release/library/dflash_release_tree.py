@@ -8,17 +8,22 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: dflash_release_tree
-short_description: Unpack a release into a staging directory, or make it live, each in one call
+short_description: Make a release live in one call (unpacked, checked and validated first)
 description:
-  - The container side of the dflash_release role, one round trip per step.
-  - V(staged) reads the C(current) symlink; when it points elsewhere and the release directory does
-    not exist yet, unpacks the archive (O(content), base64 tar.gz, so no separate file transfer)
-    into C(releases/.staging-<id>) for the role to validate. A release that exists already is
-    checked instead: a file or directory in it writable by group or others, or not owned by the
+  - The container side of the dflash_release role, one round trip per deploy or rollback.
+  - A release that does not exist yet (no C(REVISION)) is unpacked from O(content) (base64 tar.gz,
+    so no separate file transfer) into C(releases/.staging-<id>). A release that exists already is
+    checked instead; a file or directory in it writable by group or others, or not owned by the
     module's user, fails the task (a tampered release is never made live).
-  - V(live) moves a validated staging directory into place, points C(previous) at the release that
-    was live, switches C(current) atomically (a new symlink renamed over the old one), and keeps the
-    newest O(keep) releases (the live and the previous one always), removing staging leftovers.
+  - Unless it is the live one already, the release (the staging directory for a new one) is then
+    validated with O(validate_argv), before anything is moved or switched. A validation that exits
+    non-zero does not fail the task; it returns RV(validated=false) and the command's output, switches
+    nothing and leaves the staging directory for inspection (the next switch removes it), so the
+    caller can say what to fix.
+  - A validated release is moved into place, C(previous) points at the release that was live,
+    C(current) is switched atomically (a new symlink renamed over the old one), and the newest O(keep)
+    releases are kept (the live and the previous one always), removing staging leftovers.
+  - The live release is left as it is (checked only), so an unchanged deploy changes nothing.
   - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
     all owned by the module's user; links, devices and paths outside the directory are refused.
 version_added: "0.1.0"
@@ -28,53 +33,73 @@ extends_documentation_fragment:
 attributes:
   check_mode:
     support: full
-    details: Reports what it would change and writes nothing.
+    details: Reports what it would change; writes nothing and runs no validation.
   diff_mode:
     support: none
   platform:
     platforms: posix
 options:
   state:
-    description: V(staged) the release exists or is unpacked for validation; V(live) it is the current one.
+    description:
+      - V(live) makes O(release) the live release.
+      - V(previous) makes the release C(previous) points at live again (a rollback; C(previous) then
+        points at the one that was live). Fails when C(current) or C(previous) is missing or both name
+        one release.
     type: str
-    choices: [staged, live]
-    required: true
+    choices: [live, previous]
+    default: live
   root:
     description: Base directory (C(releases/), C(current), C(previous)).
     type: path
     required: true
   release:
-    description: The release's directory, C(<root>/releases/<id>).
+    description:
+      The release's directory, C(<root>/releases/<id>). Required with V(live), not given with V(previous).
     type: path
-    required: true
   content:
-    description: The release archive (tar.gz), base64. Required with V(staged).
+    description: The release archive (tar.gz), base64, unpacked when the release does not exist yet.
     type: str
-  staging:
-    description: With V(live), a validated staging directory to move into place first.
-    type: path
+  validate_argv:
+    description:
+      - The command that validates a release before it goes live, as an argument list; every C(%s) in
+        it is replaced by the directory validated (the staging directory of a new release). Exit 0
+        means valid. Without it nothing is validated.
+    type: list
+    elements: str
+  validate_environment:
+    description: Environment variables of the validation command; C(%s) in a value as in O(validate_argv).
+    type: dict
+    default: {}
   keep:
-    description: With V(live), releases to keep (the live and the previous one always); V(0) removes none.
+    description: Releases to keep after a switch (the live and the previous one always); V(0) removes none.
     type: int
     default: 0
 """
 
 EXAMPLES = r"""
-- name: Ensure the release is in the container.
+- name: Ensure the release is live (unpacked and validated first when it is new).
   dflash_release_tree:
-    state: staged
     root: /opt/dflash
     release: /opt/dflash/releases/0123456789ab
     content: "{{ lookup('ansible.builtin.file', '/tmp/0123456789ab.tar.gz.b64') }}"
-  register: stage
-
-- name: Ensure the release is live.
-  dflash_release_tree:
-    state: live
-    root: /opt/dflash
-    release: /opt/dflash/releases/0123456789ab
-    staging: "{{ stage.staging }}"
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
+    validate_environment:
+      PYTHONPATH: "%s"
     keep: 3
+  register: release
+
+- name: Fail when the release does not validate.
+  ansible.builtin.assert:
+    that: release.validated is not false
+    fail_msg: "{{ release.validation.stderr }}"
+
+- name: Go back to the previous release (validated again first).
+  dflash_release_tree:
+    state: previous
+    root: /opt/dflash
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
+    validate_environment:
+      PYTHONPATH: "%s"
 """
 
 RETURN = r"""
@@ -82,17 +107,50 @@ current:
   description: Where C(current) pointed before the call (null when it did not exist).
   type: str
   returned: always
+release:
+  description: The release made live or left live (with V(previous), the one C(previous) named).
+  type: str
+  returned: always
 live:
-  description: Whether C(current) points at the release after the call.
+  description: Whether C(current) points at the release after the call (in check mode, would point).
   type: bool
   returned: always
+validated:
+  description: V(true) the validation passed, V(false) it failed (nothing was switched), null it did not
+    run (the release was live already, no O(validate_argv), or check mode).
+  type: bool
+  returned: always
+validation:
+  description: The validation command's result (null when it did not run).
+  type: dict
+  returned: always
+  contains:
+    dir:
+      description: The directory validated (the staging directory of a new release).
+      type: str
+    cmd:
+      description: The command run.
+      type: list
+      elements: str
+    rc:
+      description: Its exit status.
+      type: int
+    stdout:
+      description: Its standard output.
+      type: str
+    stderr:
+      description: Its standard error.
+      type: str
+    msg:
+      description: Why it could not be run (only then).
+      type: str
 staging:
-  description: With V(staged), the directory the new release was unpacked into, to validate (null when
-    the release is live or exists already).
+  description: The staging directory a new release was unpacked into (moved into place once validated,
+    left for inspection when not); null when the release existed.
   type: str
   returned: always
 removed:
-  description: With V(live), the release and staging directories removed.
+  description: The old release and staging directories removed after the switch.
   type: list
   elements: str
   returned: always
@@ -108,11 +166,12 @@ import tarfile
 from ansible.module_utils.basic import AnsibleModule
 
 ARGUMENT_SPEC = {
-    "state": {"type": "str", "choices": ["staged", "live"], "required": True},
+    "state": {"type": "str", "choices": ["live", "previous"], "default": "live"},
     "root": {"type": "path", "required": True},
-    "release": {"type": "path", "required": True},
+    "release": {"type": "path"},
     "content": {"type": "str", "no_log": True},
-    "staging": {"type": "path"},
+    "validate_argv": {"type": "list", "elements": "str"},
+    "validate_environment": {"type": "dict", "default": {}},
     "keep": {"type": "int", "default": 0},
 }
 STAGING_PREFIX = ".staging-"
@@ -178,67 +237,110 @@ def doomed(releases_dir, keep, protected):
     return sorted(old) + sorted(staging)
 
 
-def staged(module, p, current):
-    release = p["release"]
-    if current == release or os.path.isfile(os.path.join(release, "REVISION")):
-        bad = unsafe_entries(release)
-        if bad:
-            module.fail_json(
-                msg=f"Release {release} is writable by other users or not owned by uid {os.getuid()}: "
-                    f"{', '.join(bad[:5])}. Remove the directory (rm -r {release}) and deploy again "
-                    f"to unpack it afresh.", current=current, unsafe=bad)
-        module.exit_json(changed=False, current=current, live=current == release, staging=None, removed=[])
-    if not p["content"]:
-        module.fail_json(msg="state=staged needs content (the release archive, base64).")
-    dest = staging_dir(release)
-    if not module.check_mode:
-        os.makedirs(os.path.dirname(release), mode=0o755, exist_ok=True)
-        try:
-            unpack(base64.b64decode(p["content"]), dest)
-        except (tarfile.TarError, OSError, ValueError) as exc:
-            shutil.rmtree(dest, ignore_errors=True)
-            module.fail_json(msg=f"cannot unpack the release into {dest}: {exc}", current=current)
-    module.exit_json(changed=True, current=current, live=False, staging=dest, removed=[])
+def validation_command(argv, environment, directory):
+    """The validation's argument list and environment for `directory` (every %s replaced by it)."""
+    return ([arg.replace("%s", directory) for arg in argv],
+            {name: str(value).replace("%s", directory) for name, value in environment.items()})
 
 
-def live(module, p, current):
-    release, root, check = p["release"], p["root"], module.check_mode
-    changed = False
-    if p["staging"] and os.path.isdir(p["staging"]):
-        changed = True
+def validate(module, directory):
+    """Run the validation command on `directory`: {dir, cmd, rc, stdout, stderr} (and msg when it
+    could not be started)."""
+    cmd, env = validation_command(module.params["validate_argv"], module.params["validate_environment"],
+                                  directory)
+    try:
+        rc, out, err = module.run_command(cmd, environ_update=env, expand_user_and_vars=False,
+                                          handle_exceptions=False)
+    except OSError as exc:  # as the command module reports it: the errno as rc, the error as msg
+        return {"dir": directory, "cmd": cmd, "rc": exc.errno or 1, "stdout": "", "stderr": "",
+                "msg": str(exc)}
+    return {"dir": directory, "cmd": cmd, "rc": rc, "stdout": out, "stderr": err}
+
+
+def previous_release(module, root, current):
+    """The release `previous` points at, when there is one to go back to."""
+    previous = link_target(os.path.join(root, "previous"))
+    if not current:
+        why = f"{root}/current does not exist"
+    elif not previous:
+        why = f"{root}/previous does not exist"
+    else:
+        why = f"{root}/previous points at the live release" if previous == current else None
+    if why:
+        module.fail_json(msg=f"There is no previous release to roll back to ({why}).", current=current)
+    return previous
+
+
+def refuse_unsafe(module, release, current):
+    """Fail when another user could have changed the release: it never goes (or stays) live then."""
+    bad = unsafe_entries(release)
+    if bad:
+        module.fail_json(
+            msg=f"Release {release} is writable by other users or not owned by uid {os.getuid()}: "
+                f"{', '.join(bad[:5])}. Remove the directory (rm -r {release}) and deploy again "
+                f"to unpack it afresh.", current=current, unsafe=bad)
+
+
+def make_live(module, root, release, current):
+    """Ensure `release` (existing, or unpacked into staging and validated first) is live; the result."""
+    p, check = module.params, module.check_mode
+    result = {"current": current, "release": release, "live": True, "validated": None, "validation": None,
+              "staging": None, "removed": []}
+    exists = os.path.isfile(os.path.join(release, "REVISION"))
+    if exists or current == release:
+        refuse_unsafe(module, release, current)
+    if current == release:
+        return False, result
+    candidate = release
+    if not exists:
+        if not p["content"]:
+            module.fail_json(msg=f"Release {release} does not exist and no content (the release archive) "
+                                 f"was given; nothing was switched.", current=current)
+        candidate = result["staging"] = staging_dir(release)
         if not check:
-            if os.path.isfile(os.path.join(release, "REVISION")):
-                shutil.rmtree(p["staging"])
-            else:
-                shutil.rmtree(release, ignore_errors=True)
-                os.rename(p["staging"], release)
-    elif not check and not os.path.isdir(release):
-        module.fail_json(msg=f"Release {release} does not exist; nothing was switched.", current=current)
-    if current != release:
-        changed = True
-        if not check:
-            if current:
-                set_link(os.path.join(root, "previous"), current)
-            set_link(os.path.join(root, "current"), release)
+            os.makedirs(os.path.dirname(release), mode=0o755, exist_ok=True)
+            try:
+                unpack(base64.b64decode(p["content"]), candidate)
+            except (tarfile.TarError, OSError, ValueError) as exc:
+                shutil.rmtree(candidate, ignore_errors=True)
+                module.fail_json(msg=f"cannot unpack the release into {candidate}: {exc}", current=current)
+    if p["validate_argv"] and not check:
+        result["validation"] = validate(module, candidate)
+        result["validated"] = result["validation"]["rc"] == 0
+        if not result["validated"]:
+            # Nothing moves or switches; a new release's staging directory stays for inspection.
+            result["live"] = False
+            return not exists, result
+    if not check:
+        if candidate != release:
+            shutil.rmtree(release, ignore_errors=True)  # an incomplete leftover (no REVISION)
+            os.rename(candidate, release)
+        if current:
+            set_link(os.path.join(root, "previous"), current)
+        set_link(os.path.join(root, "current"), release)
     protected = {release, current, link_target(os.path.join(root, "previous"))}
-    removed = doomed(os.path.join(root, "releases"), p["keep"], protected) \
-        if os.path.isdir(os.path.join(root, "releases")) else []
-    if removed:
-        changed = True
-        if not check:
-            for path in removed:
-                shutil.rmtree(path, ignore_errors=True)
-    module.exit_json(changed=changed, current=current, live=True, staging=None, removed=removed)
+    releases_dir = os.path.join(root, "releases")
+    result["removed"] = doomed(releases_dir, p["keep"], protected) if os.path.isdir(releases_dir) else []
+    if not check:
+        for path in result["removed"]:
+            shutil.rmtree(path, ignore_errors=True)
+    return True, result
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=[("state", "live", ["release"])],
+                           supports_check_mode=True)
     os.umask(0o022)
-    p = module.params
-    current = link_target(os.path.join(p["root"], "current"))
-    if p["state"] == "staged":
-        staged(module, p, current)
-    live(module, p, current)
+    root = module.params["root"]
+    current = link_target(os.path.join(root, "current"))
+    if module.params["state"] == "previous":
+        if module.params["release"]:
+            module.fail_json(msg="state=previous goes back to the release `previous` names: give no release.")
+        release = previous_release(module, root, current)
+    else:
+        release = module.params["release"]
+    changed, result = make_live(module, root, release, current)
+    module.exit_json(changed=changed, **result)
 
 
 if __name__ == "__main__":
