@@ -42,9 +42,7 @@ CATEGORIES = (
     "controller: wheel build, git, pack",
     "node checks (ssh to the node)",
     "venv: create, .pth, wheel (one module call)",
-    "release: unpack (archive in the task's args)",
-    "release validate (config check, data path)",
-    "release switch + prune (one module call)",
+    "release: unpack, validate, switch (one module call)",
     "file transfer (cat through pct exec)",
     "run stop + GPU idle check",
     "run start + health (waits, polls, gpu_verify)",
@@ -124,7 +122,7 @@ def categorize(row: dict) -> str | None:
         return "in-process (assert, set_fact, include)"
     if "on the controller" in name:
         return "controller: wheel build, git, pack"
-    if role == "proxmox_host":
+    if role == "proxmox_host" or (action or "").endswith("pct_container_check"):
         return "node checks (ssh to the node)"
     if role == "dflash_run" and file == "stop.yml":
         return "run stop + GPU idle check"
@@ -134,12 +132,8 @@ def categorize(row: dict) -> str | None:
         return "file transfer (cat through pct exec)"
     if role == "dflash_env" and file in ("venv.yml", "requirements.yml"):
         return "venv: create, .pth, wheel (one module call)"
-    if role == "dflash_release" and file == "stage.yml":
-        return "release: unpack (archive in the task's args)"
-    if role == "dflash_release" and file == "validate.yml":
-        return "release validate (config check, data path)"
-    if role == "dflash_release" and file == "switch.yml":
-        return "release switch + prune (one module call)"
+    if role == "dflash_release" and file == "live.yml":
+        return "release: unpack, validate, switch (one module call)"
     return "other container round trips"
 
 

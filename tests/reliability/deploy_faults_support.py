@@ -38,6 +38,7 @@ PHASE_RULES = (
     ("dflash_release", "previous", "switch"),
     ("dflash_release", "list the releases", "prune"),
     ("dflash_release", "pack the release", "pack"),
+    ("dflash_release", "render", "pack"),
     ("dflash_release", "revision on the controller", "pack"),
     ("dflash_release", "name the release", "pack"),
     ("dflash_release", "", "stage"),
