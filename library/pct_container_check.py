@@ -162,7 +162,7 @@ class CheckFailed(Exception):
 
 def said(answer):
     """What pct said about a failure: its stderr, else its stdout, trimmed."""
-    return (answer.stderr.strip() or answer.stdout.strip())
+    return answer.stderr.strip() or answer.stdout.strip()
 
 
 def pct_cannot_run(answer, pct_path):
@@ -285,10 +285,10 @@ def check(pct, params, check_mode, result):
     if not running:
         if not params["start_stopped"]:
             raise CheckFailed(stopped_message(vmid, node, status))
-        result["started"] = result["changed"] = True
         if not check_mode:
             pct.must("start", vmid, timeout=START_TIMEOUT)
             running = True
+        result["started"] = result["changed"] = True
 
     result["gpu_passthrough"] = gpu_passthrough_lines(pct.must("config", vmid))
     if params["require_gpu_passthrough"] and not result["gpu_passthrough"]:

@@ -146,6 +146,7 @@ def test_a_start_that_fails_says_what_pct_said(node):
     assert rc == 1 and result["msg"] == (
         "pct start 201 failed on node pve1 (exit 255): startup for container '201' failed\n"
         "lxc-start: 201: no rootfs")
+    assert result["started"] is False and result["changed"] is False and node.status(201) == "stopped"
 
 
 @pytest.mark.parametrize("kind", ["absent", "not executable"])
