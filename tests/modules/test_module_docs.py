@@ -10,7 +10,7 @@ import pytest
 import yaml
 from module_runner import LIBRARY, VENV_BIN
 
-MODULES = ["training_run", "gpu_verify"]
+MODULES = ["training_run", "gpu_verify", "pct_container_check"]
 
 
 def ansible_doc(*args):

@@ -170,3 +170,18 @@ def test_stubborn_run_is_killed_and_its_escaped_child_stopped(ct):
     assert result["how"] == "killed" and result["seconds"] >= 2
     assert set(result["signalled"]) == {pid, escaped}
     assert not ct.alive(pid) and not ct.alive(escaped)
+
+
+def test_pct_container_check_delegated_to_the_node(ct):
+    """The node checks as the playbooks run them: for the container's host, delegated to its node,
+    against pvesim's pct (its list and config formats) and the container's nvidia-smi."""
+    args = dict(node_name=ct.node, require_gpu_passthrough=True, required_gpus=[0, 7])
+    ok = ct.on_node(dict(pct_container_check=dict(vmid=VMID, **args)))
+    assert ok.get("failed") is not True, ok
+    assert ok["status"] == "running" and ok["gpu_count"] == 8 and ok["changed"] is False
+    assert "lxc.cgroup2.devices.allow: c 195:* rwm" in ok["gpu_passthrough"]
+    beyond = ct.on_node(dict(pct_container_check=dict(vmid=VMID, **dict(args, required_gpus=[8]))))
+    assert beyond.get("failed") and "has 8 GPU(s)" in beyond["msg"] and "names GPU(s) [8]" in beyond["msg"]
+    missing = ct.on_node(dict(pct_container_check=dict(vmid=299, **args)))
+    assert missing.get("failed") and missing["msg"].startswith(f"CT 299 does not exist on node {ct.node}")
+    assert missing["msg"].endswith("the node has 200, 201.") and missing["containers"] == [200, 201]

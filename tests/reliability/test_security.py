@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
 from input_support import REPO
 from roles_support import VENV_BIN, ansible_env
 
@@ -128,21 +130,42 @@ def test_the_sudo_rule_grants_pct_and_nothing_else():
     assert rules[0] in (SUDOERS.parents[1] / "README.md").read_text()
 
 
-def test_the_node_role_runs_nothing_but_pct_as_root():
-    """Every command proxmox_host runs on the node goes through pct's argv prefix (sudo -n /usr/sbin/pct
-    for a non-root user), so the sudo rule above is all a non-root node user needs."""
-    commands = []
-    for path in sorted((REPO / "roles" / "proxmox_host" / "tasks").glob("*.yml")):
+NODE_TASK_FILES = sorted((REPO / "roles" / "proxmox_host" / "tasks").glob("*.yml")) + [
+    REPO / "playbooks" / "tasks" / "node_check.yml"]
+
+
+def render(expression, variables):
+    trusted = {name: trust_as_template(value) if isinstance(value, str) else value
+               for name, value in variables.items()}
+    templar = Templar(loader=DataLoader(), variables=trusted)
+    return templar.template(trust_as_template(expression))
+
+
+def test_the_node_checks_run_nothing_but_pct_as_root():
+    """The node checks (the proxmox_host role and the playbooks' node_check.yml) run no command of their
+    own: pct_container_check runs pct through its argv prefix alone (sudo -n /usr/sbin/pct for a non-root
+    user; tests/modules/test_pct_container_check.py), so the sudo rule above is all a non-root node user
+    needs. Both build that prefix with the same rule from the role's variables and defaults."""
+    checks = {}
+    for path in NODE_TASK_FILES:
         for task in yaml.safe_load(path.read_text()) or []:
-            for module in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.raw"):
-                if module in task:
-                    commands.append((path.name, module, task[module]))
-    assert commands, "proxmox_host runs no command at all?"
-    for name, module, args in commands:
-        assert module == "ansible.builtin.command", f"{name}: {module}"
-        assert str(args["argv"]).startswith("{{ __proxmox_host_pct_argv +"), f"{name}: {args['argv']}"
-    pct_argv = yaml.safe_load((REPO / "roles" / "proxmox_host" / "vars" / "main.yml").read_text())
-    assert pct_argv["__proxmox_host_pct_argv"] == (
+            ran = [m for m in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.raw",
+                               "command", "shell", "raw") if m in task]
+            assert not ran, f"{path.name}: {task['name']} runs {ran}"
+            if "pct_container_check" in task:
+                checks[path.name] = task["pct_container_check"]["pct_argv"]
+    assert set(checks) == {"main.yml", "node_check.yml"}, checks
+    role_vars = yaml.safe_load((REPO / "roles" / "proxmox_host" / "vars" / "main.yml").read_text())
+    assert checks["main.yml"] == "{{ __proxmox_host_pct_argv }}"
+    defaults = yaml.safe_load((REPO / "roles" / "proxmox_host" / "defaults" / "main.yml").read_text())
+    for inventory in ({}, {"ansible_user": "root"}, {"ansible_user": "ansible"},
+                      {"ansible_user": "ansible", "proxmox_host_pct_sudo": False},
+                      {"proxmox_host_pct_sudo": True, "proxmox_host_pct_path": "/opt/pve/pct"}):
+        role_argv = render(role_vars["__proxmox_host_pct_argv"], {**defaults, **inventory})
+        assert render(checks["node_check.yml"], inventory) == role_argv, inventory
+        sudo = inventory.get("proxmox_host_pct_sudo", inventory.get("ansible_user", "root") != "root")
+        assert role_argv == ["sudo", "-n"] * sudo + [inventory.get("proxmox_host_pct_path", "/usr/sbin/pct")]
+    assert role_vars["__proxmox_host_pct_argv"] == (
         "{{ (['sudo', '-n'] if proxmox_host_pct_sudo | bool else []) + [proxmox_host_pct_path] }}")
 
 

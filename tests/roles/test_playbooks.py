@@ -46,6 +46,15 @@ def pids(fleet):
 def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
     res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=4")
     assert res.rc == 0, res
+    # The node checks of the batch are one task for all four containers on both nodes (not one run
+    # per node), each container checked on its own node with its GPUs.
+    checks = [task["hosts"] for play in res.data["plays"] for task in play["tasks"]
+              if task["task"]["name"] == "Check the container on its Proxmox node."]
+    assert len(checks) == 1 and set(checks[0]) == set(HOSTS), checks
+    for host, result in checks[0].items():
+        node = fleet.sim.node_of(int(host[2:])).name
+        assert result["msg"].startswith(f"CT {host[2:]} on node {node}: running"), result
+        assert result["gpu_count"] == 8 and result["gpu_passthrough"], result
     for vmid in CONTAINERS:
         release_dir = fleet.live_release(vmid)
         release_id = Path(release_dir).name
