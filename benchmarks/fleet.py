@@ -10,14 +10,14 @@ its ratio to one container. `--with-start` lets deploy.yml start the run too (th
 run), and shows that part apart.
 
 Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
-(the same figures as `profile_tasks`), grouped by kind of work: the node checks over ssh, container
-tasks through `pct_pipelined` (ssh to the node, then one `pct exec`), the venv module call, the
-release's unpack (the archive rides in the task's arguments), validation and switch, the
-controller's wheel build and packing. Also reported: the bytes each container gets in task
-arguments, the load average before and after each size (the machine may be shared), and, on the
-largest sim before its deploy, the connection alone: raw ssh, raw `pct exec`, an Ansible ping
-through each connection, a copy of a small and an 8 MiB file through `cat`, and the round trips
-one task costs.
+(the same figures as `profile_tasks`), grouped by kind of work: the node checks (one
+`pct_container_check` call per container over ssh), container tasks through `pct_pipelined` (ssh to
+the node, then one `pct exec`): the venv module call and the release's one call (unpack of the archive
+that rides in the task's arguments, validation, switch), and the controller's wheel build and
+packing. Also reported: the bytes each container gets in task arguments, the load average before
+and after each size (the machine may be shared), and, on the largest sim before its deploy, the
+connection alone: raw ssh, raw `pct exec`, an Ansible ping through each connection, a copy of a
+small and an 8 MiB file through `cat`, and the round trips one task costs.
 
     python benchmarks/fleet.py                     # sizes 1 2 4 8
     python benchmarks/fleet.py --sizes 1 8 --no-probes
@@ -60,9 +60,13 @@ def payload_bytes(rows: list[dict]) -> dict:
                 built = json.loads(result.get("stdout") or "")
             except (json.JSONDecodeError, TypeError):
                 continue
-            for key in ("wheel_b64", "archive_b64"):
-                if isinstance(built, dict) and key in built and os.path.exists(built[key]):
-                    out[key] = os.path.getsize(built[key])
+            if not isinstance(built, dict):
+                continue
+            # The wheel build prints one object; the batch's pack prints one per host.
+            for found in [built, *(v for v in built.values() if isinstance(v, dict))]:
+                for key in ("wheel_b64", "archive_b64"):
+                    if key in found and os.path.exists(found[key]):
+                        out[key] = os.path.getsize(found[key])
     return out
 
 
@@ -179,7 +183,7 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
 
     print("\nwhere the time goes: sum of task wall times (a task's time is its slowest host in the batch);")
     print("s/n/m: seconds over n task runs, m seconds a task run")
-    head = f"{'kind of work':<46}" + "".join(f" {str(r['containers']) + ' ct':>19}" for r in results)
+    head = f"{'kind of work':<52}" + "".join(f" {str(r['containers']) + ' ct':>19}" for r in results)
     print(head)
     print("-" * len(head))
     for cat in CATEGORIES:
@@ -190,10 +194,10 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
             c = r["categories"][cat]
             each = c["seconds"] / c["tasks"] if c["tasks"] else 0
             cells += f" {c['seconds']:>7.1f}s/{c['tasks']:<3}/{each:<5.2f}"
-        print(f"{cat:<46}{cells}")
+        print(f"{cat:<52}{cells}")
     rest = "".join(f" {r['deploy_s'] - sum(c['seconds'] for c in r['categories'].values()):>7.1f}s"
                    + " " * 11 for r in results)
-    print(f"{'ansible-playbook start, inventory, between tasks':<46}{rest}")
+    print(f"{'ansible-playbook start, inventory, between tasks':<52}{rest}")
     sizes = one["payload_bytes"]
     if sizes:
         print("bytes in each container's task arguments (base64, no separate transfer): "
