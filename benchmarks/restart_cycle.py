@@ -209,9 +209,9 @@ def category_table(title: str, runs: list[dict]) -> None:
         secs = median([r["categories"][cat]["seconds"] for r in runs])
         tasks = runs[0]["categories"][cat]["tasks"]
         if tasks:
-            print(f"  {cat:<48} {secs:>6.1f} s  ({tasks} tasks)")
+            print(f"  {cat:<52} {secs:>6.1f} s  ({tasks} tasks)")
     rest = median([r["wall_s"] - sum(c["seconds"] for c in r["categories"].values()) for r in runs])
-    print(f"  {'ansible-playbook start, inventory, between tasks':<48} {rest:>6.1f} s")
+    print(f"  {'ansible-playbook start, inventory, between tasks':<52} {rest:>6.1f} s")
 
 
 def parse_args(argv):
