@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import yaml
+from ansible.errors import AnsibleConnectionFailure
 from ansible_collections.community.proxmox.plugins.connection import proxmox_pct_remote as upstream
 
 
@@ -52,3 +53,20 @@ class Connection(upstream.Connection):
 
     transport = "pct_pipelined"
     has_pipelining = True
+
+    def _connect(self):
+        try:
+            return super()._connect()
+        except AnsibleConnectionFailure as e:
+            # The collection asks to confirm an unknown node key on a terminal; without one (a deploy's
+            # workers) all it says is "stdin is not interactive".
+            if "stdin is not interactive" not in str(e):
+                raise
+            host, port = self.get_option("remote_addr"), self.get_option("port")
+            raise AnsibleConnectionFailure(
+                f"the ssh host key of {host} port {port} (the container's Proxmox node) is not known and"
+                " host key checking is on, so nothing was run. Compare the node's key fingerprint"
+                " (on the node: ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub) with what"
+                f" `ssh-keyscan -p {port} {host} | ssh-keygen -lf -` shows, then add the key to"
+                " ~/.ssh/known_hosts or /etc/ssh/ssh_known_hosts (this connection reads both)."
+            ) from None

@@ -98,13 +98,14 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
         sim.trust_host_keys()
     assert node_ping.returncode != 0 and "UNREACHABLE" in node_ping.stdout
     assert "Host key verification failed" in node_ping.stdout, node_ping.stdout
-    # The containers' connection (paramiko) asks to confirm an unknown key on a terminal, and without
-    # one it gives up: either way it does not connect and records nothing.
+    # The containers' connection (paramiko) asks to confirm an unknown key on a terminal; without one
+    # pct_pipelined says which key is missing and how to check it. Either way nothing connects or is recorded.
     assert container_ping.returncode != 0 and "UNREACHABLE" in container_ping.stdout
-    assert ("authenticity of host '127.0.0.2' can't be established" in container_ping.stdout
-            or "stdin is not interactive" in container_ping.stdout), container_ping.stdout
-    user_known_hosts = Path.home() / ".ssh" / "known_hosts"
     port = sim.node("pve1").port
+    assert (f"the ssh host key of 127.0.0.2 port {port} (the container's Proxmox node) is not known"
+            in container_ping.stdout), container_ping.stdout
+    assert f"ssh-keyscan -p {port} 127.0.0.2" in container_ping.stdout
+    user_known_hosts = Path.home() / ".ssh" / "known_hosts"
     assert not user_known_hosts.exists() or f"[127.0.0.2]:{port}" not in user_known_hosts.read_text()
     # The same pings pass once the keys are known again: the refusals above were the host keys' doing.
     assert ping("pve1").returncode == 0 and ping("ct350").returncode == 0
