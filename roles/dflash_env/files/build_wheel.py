@@ -17,8 +17,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 PACKAGES = ("dflash", "pvesim")
+# The controller's wheel cache (one directory per source hash): each use refreshes a build's mtime;
+# beyond the KEEP_BUILDS most recently used, builds unused for KEEP_SECONDS are removed.
+KEEP_BUILDS = 5
+KEEP_SECONDS = 24 * 3600
 
 
 def source_hash(project):
@@ -62,7 +67,31 @@ def build(project, cache):
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, encoded)
+    os.utime(target)  # used now: the newest build in the cache
+    prune(cache)
     return {"wheel": wheels[0], "wheel_b64": encoded, "source_sha256": sha}
+
+
+def prune(cache, keep=None, keep_seconds=None, now=None):
+    """Remove the builds beyond the `keep` most recently used that were not used for `keep_seconds`
+    (KEEP_BUILDS and KEEP_SECONDS by default; unfinished `.build-*` directories are left to their
+    builder). Returns the removed directories."""
+    keep = KEEP_BUILDS if keep is None else keep
+    keep_seconds = KEEP_SECONDS if keep_seconds is None else keep_seconds
+    now = time.time() if now is None else now
+    builds = []
+    for entry in os.scandir(cache):
+        if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+            try:
+                builds.append((entry.stat(follow_symlinks=False).st_mtime, entry.path))
+            except FileNotFoundError:  # another deploy pruned it meanwhile
+                continue
+    removed = []
+    for mtime, path in sorted(builds, reverse=True)[keep:]:
+        if now - mtime >= keep_seconds:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def main(argv):

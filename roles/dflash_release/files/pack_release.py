@@ -24,8 +24,13 @@ import json
 import os
 import sys
 import tarfile
+import time
 
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
+# The controller's archive cache: each use refreshes an archive's mtime; beyond the KEEP_ARCHIVES most
+# recently used, archives unused for KEEP_SECONDS are removed (a deploy running meanwhile keeps its own).
+KEEP_ARCHIVES = 20
+KEEP_SECONDS = 24 * 3600
 SKIP_SUFFIXES = (".pyc", ".pyo")
 EXECUTABLE = {"run.sh"}
 
@@ -96,11 +101,39 @@ def pack(code_dir, dest_dir, revision, rendered):
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, encoded)
+    for path in (archive, encoded):
+        os.utime(path)  # used now: the newest in the cache
     with tarfile.open(archive) as tar:
         checksums = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
                      for m in tar.getmembers() if m.isfile()}
     return {"id": rid, "archive": archive, "archive_b64": encoded, "code_sha256": code_sha,
             "files": checksums}
+
+
+def prune(dest_dir, keep=None, keep_seconds=None, now=None):
+    """Remove the archives (with their .b64) beyond the `keep` most recently used that were not used
+    for `keep_seconds` (KEEP_ARCHIVES and KEEP_SECONDS by default). Returns the removed release ids."""
+    keep = KEEP_ARCHIVES if keep is None else keep
+    keep_seconds = KEEP_SECONDS if keep_seconds is None else keep_seconds
+    now = time.time() if now is None else now
+    archives = []
+    for name in os.listdir(dest_dir):
+        if name.endswith(".tar.gz"):
+            try:
+                archives.append((os.stat(os.path.join(dest_dir, name)).st_mtime, name))
+            except FileNotFoundError:  # another deploy pruned it meanwhile
+                continue
+    removed = []
+    for mtime, name in sorted(archives, reverse=True)[keep:]:
+        if now - mtime < keep_seconds:
+            continue
+        for path in (os.path.join(dest_dir, name), os.path.join(dest_dir, name + ".b64")):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        removed.append(name.removesuffix(".tar.gz"))
+    return removed
 
 
 def pack_all(revision, requests):
@@ -114,6 +147,8 @@ def pack_all(revision, requests):
                 sys.exit(f"pack_release: {code_dir} is not a Python package (no __init__.py)")
             packed[key] = pack(code_dir, request["dest_dir"], revision, request["files"])
         out[name] = packed[key]
+    for dest_dir in sorted({request["dest_dir"] for request in requests.values()}):
+        prune(dest_dir)
     return out
 
 

@@ -1,0 +1,77 @@
+"""The controller's caches (release archives, wheels) stay bounded: beyond the most recently used
+entries, those unused for a day are removed; a use refreshes an entry; in-flight builds are left."""
+
+import importlib.util
+import os
+import time
+
+from roles_support import REPO
+
+DAY = 24 * 3600
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pack_release = load(REPO / "roles" / "dflash_release" / "files" / "pack_release.py")
+build_wheel = load(REPO / "roles" / "dflash_env" / "files" / "build_wheel.py")
+
+
+def aged(path, days):
+    stamp = time.time() - days * DAY
+    os.utime(path, (stamp, stamp))
+
+
+def test_old_release_archives_beyond_the_newest_are_pruned_with_their_base64(tmp_path):
+    for i in range(6):
+        for ext in ("", ".b64"):
+            (tmp_path / f"r{i}.tar.gz{ext}").write_text("x")
+        aged(tmp_path / f"r{i}.tar.gz", days=i)  # r0 used now ... r5 five days ago
+    (tmp_path / "r9.tar.gz.123.tmp").write_text("another packer's work")
+    removed = pack_release.prune(str(tmp_path), keep=2)
+    assert sorted(removed) == ["r2", "r3", "r4", "r5"]
+    assert sorted(os.listdir(tmp_path)) == ["r0.tar.gz", "r0.tar.gz.b64", "r1.tar.gz", "r1.tar.gz.b64",
+                                            "r9.tar.gz.123.tmp"]
+
+
+def test_archives_used_within_a_day_are_kept_whatever_their_number(tmp_path):
+    for i in range(5):
+        (tmp_path / f"r{i}.tar.gz").write_text("x")
+    assert pack_release.prune(str(tmp_path), keep=1) == []
+    assert len(os.listdir(tmp_path)) == 5
+
+
+def test_packing_refreshes_the_archive_it_uses_and_prunes_the_stale_ones(tmp_path, monkeypatch):
+    code = tmp_path / "pkg"
+    code.mkdir()
+    (code / "__init__.py").write_text("")
+    build = tmp_path / "build"
+    request = {"code_dir": str(code), "dest_dir": str(build), "files": {"config.yaml": "a: 1\n"}}
+    first = pack_release.pack_all("rev", {"ct200": request})["ct200"]
+    aged(first["archive"], days=3)
+    aged(first["archive_b64"], days=3)
+    monkeypatch.setattr(pack_release, "KEEP_ARCHIVES", 0)
+    # Reused three days later: refreshed, so kept even with nothing else kept.
+    again = pack_release.pack_all("rev", {"ct200": request})["ct200"]
+    assert again["id"] == first["id"] and os.path.exists(again["archive_b64"])
+    assert time.time() - os.stat(again["archive"]).st_mtime < 60
+    # A new config three days on: the old archive goes, the new one stays.
+    aged(first["archive"], days=3)
+    other = pack_release.pack_all("rev", {"ct200": {**request, "files": {"config.yaml": "a: 2\n"}}})["ct200"]
+    assert sorted(os.listdir(build)) == [f"{other['id']}.tar.gz", f"{other['id']}.tar.gz.b64"]
+
+
+def test_old_wheel_builds_beyond_the_newest_are_pruned_but_not_unfinished_ones(tmp_path):
+    for i in range(4):
+        (tmp_path / f"build{i}").mkdir()
+        (tmp_path / f"build{i}" / "x.whl").write_text("w")
+        aged(tmp_path / f"build{i}", days=i + 1)
+    (tmp_path / ".build-inflight").mkdir()
+    aged(tmp_path / ".build-inflight", days=9)
+    removed = build_wheel.prune(str(tmp_path), keep=1)
+    assert sorted(os.path.basename(p) for p in removed) == ["build1", "build2", "build3"]
+    assert sorted(os.listdir(tmp_path)) == [".build-inflight", "build0"]
