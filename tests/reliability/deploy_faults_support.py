@@ -46,6 +46,8 @@ PHASE_RULES = (
     ("proxmox_host", "", "node checks"),
     # The play's own tasks (preflight, include_role).
     ("", "inventory", "preflight"),
+    ("", "variable", "preflight"),
+    ("", "gpu layout", "preflight"),
     ("", "node", "node checks"),
     ("", "environment", "environment"),
     ("", "release", "pack"),
@@ -97,29 +99,71 @@ class KilledDeploy:
 def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
     """Run deploy.yml in its own process group and SIGKILL the whole group after `delay` seconds.
     The default callback announces each task as it starts (unbuffered), which names the phase."""
+    return kill_deploy_when(fleet, lambda elapsed: elapsed >= delay, log, delay)
+
+
+def validations_in_flight() -> list[int]:
+    """Host pids of the trainer's config validation of a staged release (`python -m dflash.config
+    validate <root>/.staging-<id>/config.yaml`), whatever container runs it: the controller sees
+    every container's processes in its own /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dflash.config" in argv and b"validate" in argv and any(b"/.staging-" in a for a in argv):
+            found.append(int(entry))
+    return found
+
+
+def kill_in_container(pids: list[int]) -> list[int]:
+    """SIGKILL each validation and its parent (the module running it in the container), by pid and
+    start time, as a crash of the container's side would; returns the pids killed."""
+    targets = []
+    for pid in pids:
+        fields = procs._stat_fields(pid)
+        if fields:
+            targets += [(pid, procs.start_time(pid)), (int(fields[1]), procs.start_time(int(fields[1])))]
+    killed = []
+    for pid, started in targets:
+        if procs.is_alive(pid, started):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def kill_deploy_when(fleet, due, log: Path, delay: float | None = None, poll_s=0.01) -> KilledDeploy:
+    """Run deploy.yml in its own process group and SIGKILL the whole group as soon as `due(elapsed
+    seconds)` is true (checked every `poll_s`); a deploy that ends first is reported not killed."""
     env = {**fleet.env(), "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         killed = False
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
+        while proc.poll() is None and not due(time.monotonic() - started):
+            time.sleep(poll_s)
+        if proc.poll() is None:
             # A crashed controller takes its whole process tree; Ansible's workers call setsid, so
             # the group kill alone would leave a task in flight orphaned (blocked on its parent's pipe).
             workers = [(pid, procs.start_time(pid)) for pid in procs.descendants(proc.pid)]
             os.killpg(proc.pid, signal.SIGKILL)
-            for pid, started in workers:
-                if procs.is_alive(pid, started):
+            for pid, pid_started in workers:
+                if procs.is_alive(pid, pid_started):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
             killed = True
         returncode = proc.wait(timeout=60)
+    elapsed = time.monotonic() - started
     output = log.read_text()
-    return KilledDeploy(delay, killed, time.monotonic() - started, returncode, last_heading(output), output)
+    return KilledDeploy(elapsed if delay is None else delay, killed, elapsed, returncode,
+                        last_heading(output), output)
 
 
 def container_quiet(fleet, vmid=VMID) -> list[str]:

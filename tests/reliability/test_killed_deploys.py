@@ -26,9 +26,12 @@ from deploy_faults_support import (
     gpu_holders,
     group_members,
     kill_deploy_after,
+    kill_deploy_when,
+    kill_in_container,
     log_events,
     log_size,
     release_problems,
+    validations_in_flight,
     wait_until_quiet,
 )
 from roles_support import Fleet, change_code
@@ -164,4 +167,49 @@ def test_a_killed_deploy_leaves_a_valid_release_and_one_run_and_the_next_deploy_
     for row in rows:
         print(ROW.format(*row))
     print(f"phases: {dict(phases)}; states: {dict(states)}; violations: {len(violations)}")
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("module_too", [False, True], ids=["controller", "controller-and-module"])
+def test_a_deploy_killed_while_its_release_validates_switches_all_or_nothing(fleet, tmp_path, module_too):
+    """The moment between a new release's unpack and its switch: the trainer validates the staged
+    release. The deploy is killed as soon as that validation is seen (and, with `module_too`, the
+    module and its validation in the container as well). Without the module killed, the module
+    finishes in the container and the validated release goes live; with it, nothing goes live. Either
+    way the old run keeps running on its release and the next deploy converges."""
+    n = trials(1, 3)
+    if fleet.run_info(VMID) is None:
+        assert fleet.play("deploy.yml").rc == 0
+    violations = []
+    for i in range(n):
+        where = f"trial {i}"
+        old, old_release, offset = fleet.run_info(VMID), fleet.live_release(VMID), log_size(fleet)
+        change_code(fleet.src, f"killed while validating {i} {module_too}")
+        seen: list[int] = []
+
+        def validating(_elapsed, seen=seen):
+            seen.extend(validations_in_flight())
+            return bool(seen)
+
+        killed = kill_deploy_when(fleet, validating, tmp_path / f"validating-{module_too}-{i}.log")
+        assert killed.killed, (f"{where}: the deploy ended before its release was validated:\n"
+                               f"{killed.output[-3000:]}")
+        in_container = kill_in_container(seen) if module_too else []
+        wait_until_quiet(fleet)
+        outcome = after_kill(fleet, old, offset)
+        violations += [f"{where}, killed at {killed.elapsed:.1f} s: {v}" for v in outcome.violations]
+        live = fleet.live_release(VMID)
+        assert outcome.state == "old running", f"{where}: {outcome.state}"
+        if module_too:
+            assert in_container, f"{where}: the validation ended before it could be killed"
+            assert live == old_release, f"{where}: {live} went live although its module was killed"
+        else:
+            assert live != old_release, f"{where}: the validated release did not go live"
+        res = fleet.play("deploy.yml")
+        assert res.rc == 0, f"{where}: the deploy after the kill did not converge: {res}"
+        violations += [f"{where}, after converging: {v}"
+                       for v in after_converge(fleet, old, old_release, outcome, offset)]
+        print(f"killed while validating (module killed too: {module_too}): {where} at "
+              f"{killed.elapsed:.1f} s, in the container killed {in_container}, live after the kill "
+              f"{'the old release' if live == old_release else 'the new release'}", flush=True)
     assert not violations, "\n".join(violations)
