@@ -21,6 +21,7 @@ import time
 
 import pytest
 from deploy_faults_support import (
+    RELEASES,
     VMID,
     Outcome,
     gpu_holders,
@@ -205,11 +206,16 @@ def test_a_deploy_killed_while_its_release_validates_switches_all_or_nothing(fle
             assert live == old_release, f"{where}: {live} went live although its module was killed"
         else:
             assert live != old_release, f"{where}: the validated release did not go live"
+        staged = fleet.ct(VMID, f"ls -a {RELEASES}").stdout.split()
         res = fleet.play("deploy.yml")
         assert res.rc == 0, f"{where}: the deploy after the kill did not converge: {res}"
         violations += [f"{where}, after converging: {v}"
                        for v in after_converge(fleet, old, old_release, outcome, offset)]
+        # A staging directory the killed module left is gone once the next release is switched to.
+        left = [d for d in fleet.ct(VMID, f"ls -a {RELEASES}").stdout.split() if d.startswith(".staging-")]
+        assert not left, f"{where}: staging left after converging: {left} (after the kill: {staged})"
         print(f"killed while validating (module killed too: {module_too}): {where} at "
               f"{killed.elapsed:.1f} s, in the container killed {in_container}, live after the kill "
-              f"{'the old release' if live == old_release else 'the new release'}", flush=True)
+              f"{'the old release' if live == old_release else 'the new release'}, staging directories "
+              f"after the kill {[d for d in staged if d.startswith('.staging-')]}", flush=True)
     assert not violations, "\n".join(violations)
