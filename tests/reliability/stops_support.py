@@ -30,27 +30,35 @@ SLEEPER = "import time; time.sleep(3600)"
 # ---------------------------------------------------------------------------------------------
 # Programs run by the container's python3
 
-PROCESS_TABLE = r"""
-import json, os
+# The start of programs that list the container's processes: proc_entries() yields (pid, the stat
+# fields after the command name, argv) for every process still there when read.
+PROC_ENTRIES = r"""
+import os
+def proc_entries():
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            continue
+        yield int(entry), stat[stat.rfind(")") + 2:].split(), argv
+"""
+
+PROCESS_TABLE = PROC_ENTRIES + r"""
+import json
 table = []
-for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-        continue
+for pid, f, argv in proc_entries():
     try:
-        with open(f"/proc/{entry}/stat") as fh:
-            stat = fh.read()
-        with open(f"/proc/{entry}/cmdline", "rb") as fh:
-            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-    except OSError:
-        continue
-    try:
-        with open(f"/proc/{entry}/environ", "rb") as fh:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read().split(b"\0")
     except OSError:
         env = []
     cuda = next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"CUDA_VISIBLE_DEVICES=")), None)
-    f = stat[stat.rfind(")") + 2:].split()
-    table.append([int(entry), f[0], int(f[1]), int(f[2]), int(f[3]), int(f[19]), argv, cuda])
+    table.append([pid, f[0], int(f[1]), int(f[2]), int(f[3]), int(f[19]), argv, cuda])
 print(json.dumps(table))
 """
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from stops_support import (
     PIDFILE,
+    PROC_ENTRIES,
     ensure_runs,
     is_run,
     kill_sessions,
@@ -36,25 +37,15 @@ SAMPLES = "/tmp/stops-concurrent-samples.jsonl"
 
 # argv: the samples file. One JSON line per sample: live runs {pid: start time}, and from nvidia-smi
 # (about once a second) the compute apps [pid, gpu uuid]. Run in its own session; ended by pid.
-SAMPLER = r"""
-import json, os, subprocess, sys, time
+SAMPLER = PROC_ENTRIES + r"""
+import json, subprocess, sys, time
 def runs():
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-        except OSError:
-            continue
-        f = stat[stat.rfind(")") + 2:].split()
+    for pid, f, argv in proc_entries():
         as_run = any(a.endswith("/run.sh") for a in argv[:2])
         trainer = any(a == "-m" and b == "dflash.train" for a, b in zip(argv, argv[1:]))
-        if f[0] not in "ZX" and int(f[2]) == int(entry) and (as_run or trainer):
-            found[entry] = int(f[19])
+        if f[0] not in "ZX" and int(f[2]) == pid and (as_run or trainer):
+            found[str(pid)] = int(f[19])
     return found
 last_smi = 0.0
 with open(sys.argv[1], "w") as out:
