@@ -25,7 +25,13 @@ DEVICES = ("cpu", "cuda")
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
+    """A configuration value is missing, of the wrong type or out of range: `key` names it (a dotted
+    path such as `data.batch_size`, or a section), `message` says what is wrong with it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
 
 
 def _type_name(tp) -> str:
@@ -46,18 +52,18 @@ def _coerce(key: str, value, tp):
                 return _coerce(key, value, member)
             except ConfigError:
                 pass
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
     if origin is list:
         (item_type,) = typing.get_args(tp)
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
+            raise ConfigError(key, f"expected a list of {_type_name(item_type)}, got {value!r}")
         return [_coerce(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{key}: expected int, got {value!r}")
+        raise ConfigError(key, f"expected int, got {value!r}")
     if not isinstance(value, tp):
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
     return value
 
 
@@ -74,7 +80,7 @@ class _Section:
 
     def _require(self, ok: bool, key: str, message: str) -> None:
         if not ok:
-            raise ConfigError(f"{self._name}.{key}: {message}, got {getattr(self, key)!r}")
+            raise ConfigError(f"{self._name}.{key}", f"{message}, got {getattr(self, key)!r}")
 
 
 @dataclass
@@ -190,20 +196,20 @@ class PipelineConfig(_Section):
         by `check_visible_gpus`, where the run starts or is validated)."""
         if self.device == "cuda":
             if self.target_workers or self.drafter_workers:
-                raise ConfigError("pipeline: target_workers/drafter_workers are for device cpu; "
+                raise ConfigError("pipeline", "target_workers/drafter_workers are for device cpu; "
                                   "on cuda list the GPUs in target_gpus and drafter_gpus")
             if not self.target_gpus or not self.drafter_gpus:
-                raise ConfigError(f"pipeline: device cuda needs at least one target GPU and one drafter GPU, "
+                raise ConfigError("pipeline", "device cuda needs at least one target GPU and one drafter GPU, "
                                   f"got target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
             for key in ("target_gpus", "drafter_gpus"):
                 gpus = getattr(self, key)
                 self._require(len(set(gpus)) == len(gpus), key, "lists a GPU twice")
         else:
             if self.target_gpus or self.drafter_gpus:
-                raise ConfigError("pipeline: target_gpus/drafter_gpus need device cuda; "
+                raise ConfigError("pipeline", "target_gpus/drafter_gpus need device cuda; "
                                   "on cpu use target_workers and drafter_workers")
             if self.target_workers < 1 or self.drafter_workers < 1:
-                raise ConfigError("pipeline: a cpu pipeline needs target_workers >= 1 and drafter_workers "
+                raise ConfigError("pipeline", "a cpu pipeline needs target_workers >= 1 and drafter_workers "
                                   f">= 1, got {self.target_workers} and {self.drafter_workers}")
 
     def check_visible_gpus(self, n_visible_gpus: int) -> None:
@@ -213,7 +219,7 @@ class PipelineConfig(_Section):
         for key in ("target_gpus", "drafter_gpus"):
             beyond = sorted(g for g in getattr(self, key) if g >= n_visible_gpus)
             if beyond:
-                raise ConfigError(f"pipeline.{key}: GPUs {beyond} do not exist here "
+                raise ConfigError(f"pipeline.{key}", f"GPUs {beyond} do not exist here "
                                   f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
 
     @property
@@ -233,9 +239,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                raise ConfigError(f"{f.name}: expected a {SECTIONS[f.name].__name__}")
+                raise ConfigError(f.name, f"expected a {SECTIONS[f.name].__name__}")
         if self.model.block_size > self.data.max_length:
-            raise ConfigError(f"model.block_size: {self.model.block_size} does not fit in "
+            raise ConfigError("model.block_size", f"{self.model.block_size} does not fit in "
                               f"data.max_length {self.data.max_length}: no block could be trained")
 
     @property
@@ -266,32 +272,32 @@ def _section_from_dict(name: str, raw) -> object:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: expected a mapping, got {raw!r}")
+        raise ConfigError(name, f"expected a mapping, got {raw!r}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"{name}: unknown key(s) {', '.join(map(str, unknown))} "
+        raise ConfigError(name, f"unknown key(s) {', '.join(map(str, unknown))} "
                           f"(known: {', '.join(sorted(known))})")
     missing = sorted(
         f.name for f in dataclasses.fields(cls)
         if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
     if missing:
-        raise ConfigError(f"{name}: missing required key(s) {', '.join(missing)}")
+        raise ConfigError(name, f"missing required key(s) {', '.join(missing)}")
     return cls(**raw)
 
 
 def config_from_dict(raw) -> TrainConfig:
     """Build a validated TrainConfig from a plain mapping (the parsed YAML)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+        raise ConfigError("config", f"expected a mapping at the top level, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise ConfigError(f"config: unknown section(s) {', '.join(map(str, unknown))} "
+        raise ConfigError("config", f"unknown section(s) {', '.join(map(str, unknown))} "
                           f"(known: {', '.join(SECTIONS)})")
     for required in ("model", "data"):
         if required not in raw:
-            raise ConfigError(f"config: missing section {required}")
+            raise ConfigError("config", f"missing section {required}")
     return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
 
 
@@ -299,14 +305,14 @@ def target_shape(target_path: str) -> tuple[int, int]:
     """(decoder layers, vocabulary size) of the target saved at `target_path`, from its config.json."""
     config_file = Path(target_path) / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"model.target_path: no model at {target_path!r} (expected {config_file})")
+        raise ConfigError("model.target_path", f"no model at {target_path!r} (expected {config_file})")
     try:
         raw = json.loads(config_file.read_text())
         text = raw.get("text_config") or raw
         return int(text["num_hidden_layers"]), int(text["vocab_size"])
     except (ValueError, KeyError, TypeError) as exc:
-        message = f"model.target_path: cannot read num_hidden_layers and vocab_size from {config_file}"
-        raise ConfigError(f"{message}: {exc!r}") from exc
+        raise ConfigError("model.target_path",
+                          f"cannot read num_hidden_layers and vocab_size from {config_file}: {exc!r}") from exc
 
 
 def check_against_target(cfg: TrainConfig) -> None:
@@ -315,11 +321,11 @@ def check_against_target(cfg: TrainConfig) -> None:
     n_layers, vocab_size = target_shape(cfg.model.target_path)
     ids = cfg.model.target_layer_ids
     if ids is not None and max(ids) >= n_layers:
-        raise ConfigError(f"model.target_layer_ids: {ids} out of range for a target with {n_layers} layers "
+        raise ConfigError("model.target_layer_ids", f"{ids} out of range for a target with {n_layers} layers "
                           f"(valid ids are 0..{n_layers - 1})")
     mask = cfg.model.mask_token_id
     if mask is not None and mask >= vocab_size:
-        raise ConfigError(f"model.mask_token_id: {mask} is outside the target's vocabulary "
+        raise ConfigError("model.mask_token_id", f"{mask} is outside the target's vocabulary "
                           f"(ids 0..{vocab_size - 1})")
 
 
@@ -328,7 +334,7 @@ def check_data(cfg: TrainConfig) -> None:
     path = Path(cfg.data.path)
     if not path.is_file():
         what = "a directory" if path.is_dir() else "no file"
-        raise ConfigError(f"data.path: {what} at {cfg.data.path!r} (expected a JSON-lines file)")
+        raise ConfigError("data.path", f"{what} at {cfg.data.path!r} (expected a JSON-lines file)")
 
 
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
@@ -339,9 +345,9 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {path} is not valid YAML: {exc}") from exc
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from exc
     cfg = config_from_dict(raw)
     if check_target:
         check_against_target(cfg)
@@ -363,13 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--no-target-check", action="store_true",
                           help="skip the checks that need this machine: the target model and the data "
                                "on disk, the GPUs of the layout")
+    validate.add_argument("--json", action="store_true",
+                          help='print one JSON object on stdout: {"ok": true} or {"ok": false, "key": '
+                               '"data.batch_size", "message": "expected int, got \'four\'"} (exit 2)')
     args = parser.parse_args(argv)
     try:
         load_config(args.config, check_target=not args.no_target_check)
     except ConfigError as exc:
-        print(f"invalid config {args.config}: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key, "message": exc.message}))
+        else:
+            print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.config}: ok")
+    print(json.dumps({"ok": True, "config": str(args.config)}) if args.json else f"{args.config}: ok")
     return 0
 
 

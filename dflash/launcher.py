@@ -285,7 +285,7 @@ def launch(cfg: TrainConfig, config_path: str) -> int:
     """Run the multi-process pipeline for `cfg`; the exit status of the run (2: bad layout or input)."""
     try:
         if not Path(cfg.data.path).is_file():
-            raise ConfigError(f"data.path: no data file at {cfg.data.path}")
+            raise ConfigError("data.path", f"no data file at {cfg.data.path}")
         launcher = Launcher(cfg, config_path)
     except ConfigError as exc:
         print(f"invalid config {config_path}: {exc}", file=sys.stderr)

@@ -398,7 +398,7 @@ def worker_main(config_path: str) -> int:
         torch.set_num_threads(cfg.pipeline.threads_per_worker)
         cuda = cfg.pipeline.device == "cuda"
         if cuda and not torch.cuda.is_available():
-            raise ConfigError("pipeline.device: 'cuda' requested but this worker sees no CUDA device")
+            raise ConfigError("pipeline.device", "'cuda' requested but this worker sees no CUDA device")
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)

@@ -39,7 +39,7 @@ EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("pipeline.device: 'cuda' requested but no CUDA device is visible")
+        raise ConfigError("pipeline.device", "'cuda' requested but no CUDA device is visible")
     return torch.device("cuda" if name == "cuda" else "cpu")
 
 

@@ -27,8 +27,8 @@ MAX_GPUS = 16
 # The python of a Debian/Proxmox node, also what containers see through their overlay root. Named in the
 # inventory because interpreter discovery would follow whatever the login shell puts first on PATH.
 NODE_PYTHON = "/usr/bin/python3"
-# The project's connection (connection_plugins/pct_pipelined.py): proxmox_pct_remote with pipelining.
-CONNECTION = "pct_pipelined"
+# The project's connection (the dflash.ops collection's pct_pipelined): proxmox_pct_remote with pipelining.
+CONNECTION = "dflash.ops.pct_pipelined"
 
 
 @dataclass

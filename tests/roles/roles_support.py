@@ -110,7 +110,6 @@ class Fleet:
     def play(self, playbook, *args, timeout=900):
         argv = [str(VENV_BIN / "ansible-playbook"), "-i", str(self.inventory),
                 str(REPO / "playbooks" / playbook),
-                "-e", f"dflash_env_project_dir={self.src}",
                 "-e", f"dflash_release_source_dir={self.src / 'dflash'}", *args]
         res = subprocess.run(argv, env=self.env(), capture_output=True, text=True, timeout=timeout, cwd=REPO,
                              stdin=subprocess.DEVNULL)

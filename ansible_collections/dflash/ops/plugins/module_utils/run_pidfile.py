@@ -1,0 +1,194 @@
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Targets may run a Python older than 3.11 (no datetime.UTC).
+# ruff: noqa: UP017
+"""The run's pidfile: its record (pid, process group, start time), how far it can be trusted, and the
+lock that serialises changes to it."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from stat import S_IMODE, S_ISLNK, S_ISREG, S_ISVTX
+from typing import NamedTuple
+
+from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_stat
+
+
+class RunError(Exception):
+    """A failure to report to the user as a message (never a traceback)."""
+
+    def __init__(self, msg, **result):
+        super().__init__(msg)
+        self.result = result
+
+
+
+class Unreadable(NamedTuple):
+    """A pidfile this module cannot trust the content of: stale, never acted on."""
+    problem: str
+
+
+def record_problem(data):
+    """Why a parsed pidfile is not a record this module wrote, or None."""
+    if not isinstance(data, dict):
+        return "does not hold a JSON object"
+    for key, minimum in (("pid", 1), ("pgid", 1), ("start_time", 0)):
+        value = data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            return f"has no valid '{key}' (got {value!r})"
+    return None
+
+
+def parse_pidfile(text):
+    """The record, or Unreadable(why): an empty, truncated or hand-edited pidfile names nothing."""
+    if not text.strip():
+        return Unreadable("is empty")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return Unreadable("is not JSON (truncated or not written by training_run)")
+    problem = record_problem(data)
+    return Unreadable(problem) if problem else data
+
+
+def unsafe_reason(file_stat, dir_stat, euid):
+    """Why a pidfile must not be trusted (someone else could have written the pid in it), or None."""
+    if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
+        return "is not a regular file"
+    if file_stat.st_uid != euid:
+        return f"is owned by uid {file_stat.st_uid}, not by uid {euid} that runs this module"
+    if file_stat.st_mode & 0o022:
+        return f"is writable by other users (mode {S_IMODE(file_stat.st_mode):04o})"
+    if dir_stat.st_mode & 0o002 and not dir_stat.st_mode & S_ISVTX:
+        return f"is in a directory every user can write to (mode {S_IMODE(dir_stat.st_mode):04o})"
+    return None
+
+
+def load_pidfile(path):
+    """(record, unsafe): record is None when there is no pidfile, Unreadable when it names
+    nothing; unsafe says why the file itself cannot be trusted, or is None."""
+    try:
+        file_stat = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+    unsafe = unsafe_reason(file_stat, os.stat(os.path.dirname(path) or "."), os.geteuid())
+    if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
+        return Unreadable("is not a regular file"), unsafe
+    try:
+        with open(path) as pidfile:
+            text = pidfile.read()
+    except OSError as exc:
+        raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        return Unreadable("is not text"), unsafe
+    return parse_pidfile(text), unsafe
+
+
+def set_aside(path, now=None):
+    """Keep an unreadable pidfile for inspection under a new name; returns that name."""
+    now = now or datetime.now(timezone.utc)
+    aside = f"{path}.unreadable-{now.strftime('%Y%m%dT%H%M%S%fZ')}"
+    os.rename(path, aside)
+    return aside
+
+
+def write_pidfile(path, record):
+    """Temp file in the same directory, then rename: a reader sees the old file or the whole new
+    one, never a half-written one."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".pidfile-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as tmp_file:
+            json.dump(record, tmp_file, sort_keys=True)
+            tmp_file.write("\n")
+            tmp_file.flush()
+            os.fsync(tmp_file.fileno())
+        os.chmod(tmp, 0o644)
+        if os.geteuid() == 0:
+            os.chown(tmp, 0, 0)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def remove_file(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def uptime_seconds(record, now=None):
+    try:
+        started = datetime.fromisoformat(record["started_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    now = now or datetime.now(timezone.utc)
+    return round((now - started).total_seconds(), 1)
+
+
+def pidfile_verdict(record, stat):
+    """'live' when the recorded process still runs, else why the pidfile is stale."""
+    if stat is None:
+        return "dead"
+    if stat.start_time != record["start_time"]:
+        return "reused"
+    if not is_alive(stat):
+        return "zombie"
+    return "live"
+
+
+def inspect(pidfile):
+    """(record, verdict, unsafe): verdict is 'absent', 'live', 'dead', 'zombie', 'reused' or
+    'unreadable'; unsafe says why the pidfile itself cannot be trusted, or is None."""
+    record, unsafe = load_pidfile(pidfile)
+    if record is None:
+        return None, "absent", unsafe
+    if isinstance(record, Unreadable):
+        return record, "unreadable", unsafe
+    return record, pidfile_verdict(record, read_stat(record["pid"])), unsafe
+
+
+def describe(record):
+    if isinstance(record, Unreadable):
+        return f"it {record.problem}"
+    return f"pid {record['pid']} argv {record.get('argv')} started at {record.get('started_at')}"
+
+
+def running_result(record, **extra):
+    return dict(status="running", pid=record["pid"], run=record, stale_pidfile=False,
+                uptime=uptime_seconds(record), **extra)
+
+
+def stopped_result(record, verdict, **extra):
+    readable = record if isinstance(record, dict) else None
+    result = dict(status="stopped", pid=None, run=readable, stale_pidfile=verdict not in ("absent", "live"))
+    if isinstance(record, Unreadable):
+        result["pidfile_problem"] = record.problem
+    result.update(extra)
+    return result
+
+
+@contextmanager
+def pidfile_lock(pidfile, enabled):
+    """Serialises invocations that may change the pidfile; the lock file stays (removing it would
+    let two invocations lock two different files)."""
+    if not enabled:
+        yield
+        return
+    os.makedirs(os.path.dirname(pidfile) or ".", mode=0o755, exist_ok=True)
+    lock_fd = os.open(pidfile + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock_fd)

@@ -1,0 +1,184 @@
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Targets may run a Python older than 3.11 (no datetime.UTC).
+# ruff: noqa: UP017
+"""Starting a run: checks made before anything running is touched, a detached spawn in its own session,
+the pidfile written at once, and the wait for the run's first progress line in its log."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from datetime import datetime, timezone
+from stat import S_IMODE
+
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    RunError,
+    remove_file,
+    running_result,
+    write_pidfile,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_stat
+from ansible_collections.dflash.ops.plugins.module_utils.run_stop import POLL_SECONDS
+
+LOG_TAIL_BYTES = 4096
+
+
+
+def resolve_program(argv0, chdir, env):
+    """Where exec will find argv[0], or None: checked before anything running is touched."""
+    if "/" in argv0:
+        path = argv0 if os.path.isabs(argv0) else os.path.join(chdir or "/", argv0)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return shutil.which(argv0, path=env.get("PATH", os.defpath))
+
+
+def preflight(params, env):
+    """Every reason the start would fail that can be known in advance."""
+    command, chdir = params["command"], params["chdir"]
+    if not command or not command[0]:
+        raise RunError("command must be a non-empty list (the run's argv)")
+    if chdir and not os.path.isdir(chdir):
+        raise RunError(f"chdir {chdir} is not a directory")
+    if resolve_program(command[0], chdir, env) is None:
+        raise RunError(f"cannot start run: {command[0]} is not an executable file (PATH={env.get('PATH')})")
+    for path in (params["pidfile"], params["log_path"]):
+        parent = os.path.dirname(path)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise RunError(f"{parent} (parent of {path}) is not a directory")
+
+
+def reset_signals():
+    """Runs in the child before exec: signals ignored or blocked by whatever launched Ansible
+    must not make the run deaf to SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def spawn(argv, chdir, env, log_path):
+    """Fork and exec in a new session (pgid == sid == pid), stdin from /dev/null, stdout and
+    stderr appended to the log, every other descriptor closed. The module never waits for the
+    run: when it exits, the run is re-parented to init, and having no controlling terminal it gets
+    no SIGHUP when the connection closes."""
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        return subprocess.Popen(argv, cwd=chdir or "/", env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                                stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
+                                preexec_fn=reset_signals)
+    except OSError as exc:
+        raise RunError(f"cannot start run {argv}: {exc}") from None
+    finally:
+        os.close(log_fd)
+
+
+def last_lines(text, count=12):
+    return "\n".join(text.rstrip("\n").splitlines()[-count:])
+
+
+def log_tail(path, limit=LOG_TAIL_BYTES):
+    try:
+        with open(path, "rb") as log_file:
+            log_file.seek(0, os.SEEK_END)
+            log_file.seek(max(0, log_file.tell() - limit))
+            return log_file.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def log_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+class LogWatcher:
+    """Reads what a run appends to its log after `offset`, line by line, looking for `pattern`."""
+
+    def __init__(self, path, offset, pattern):
+        self.path, self.offset = path, offset
+        self.pattern = re.compile(pattern) if pattern else None
+        self.pending = b""
+        self.match = None
+
+    def poll(self):
+        """The first line matching the pattern so far, or None."""
+        if self.match is not None or self.pattern is None:
+            return self.match
+        try:
+            with open(self.path, "rb") as log_file:
+                log_file.seek(self.offset)
+                chunk = log_file.read()
+        except OSError:
+            return None
+        self.offset += len(chunk)
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            text = line.decode("utf-8", "replace")
+            if self.pattern.search(text):
+                self.match = text
+                break
+        return self.match
+
+
+def start_run(params, env):
+    """Spawn the run and write its pidfile; then wait until it has lived `startup_wait` seconds
+    and, with `wait_for`, until its log shows a matching line (at most `wait_timeout` seconds)."""
+    for path in (params["pidfile"], params["log_path"]):
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    began = time.monotonic()
+    watcher = LogWatcher(params["log_path"], log_size(params["log_path"]), params["wait_for"])
+    child = spawn(params["command"], params["chdir"], env, params["log_path"])
+    # Until poll() reaps it the child keeps its /proc entry, even if it has already exited.
+    stat = read_stat(child.pid)
+    record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
+                  argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
+                  started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    # Written before the waits so that a module killed during them leaves the run findable.
+    write_pidfile(params["pidfile"], record)
+    alive_until = began + params["startup_wait"]
+    give_up = began + max(params["startup_wait"], params["wait_timeout"] if watcher.pattern else 0)
+    while child.poll() is None:
+        now = time.monotonic()
+        if now >= alive_until and (watcher.poll() is not None or watcher.pattern is None):
+            break
+        if now >= give_up:
+            tail = log_tail(params["log_path"])
+            raise RunError(f"run pid {child.pid} logged nothing matching {params['wait_for']!r} within "
+                           f"{params['wait_timeout']}s; it is left running. Its log ({params['log_path']}) "
+                           f"ends with:\n{last_lines(tail)}", log_tail=tail, **running_result(record))
+        time.sleep(POLL_SECONDS / 2)
+    if child.returncode is not None:
+        remove_file(params["pidfile"])
+        tail = log_tail(params["log_path"])
+        raise RunError(f"run exited with code {child.returncode} {time.monotonic() - began:.1f}s after "
+                       f"starting. Its log ({params['log_path']}) ends with:\n{last_lines(tail)}",
+                       log_tail=tail)
+    return record, dict(startup_seconds=round(time.monotonic() - began, 2), log_offset=watcher.offset,
+                        progress=watcher.match)
+
+
+def read_environment_file(path):
+    """KEY=VALUE lines (blank lines and # comments skipped) of a file only its owner can read:
+    the secrets of a run never pass through the module's arguments or its result."""
+    file_stat = os.stat(path)
+    if file_stat.st_uid != os.geteuid() or file_stat.st_mode & 0o077:
+        raise RunError(f"environment_file {path} must be owned by uid {os.geteuid()} and readable by it "
+                       f"alone (mode {S_IMODE(file_stat.st_mode):04o}); chmod 0600 it")
+    values = {}
+    with open(path) as env_file:
+        for number, line in enumerate(env_file, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise RunError(f"environment_file {path} line {number} is not KEY=VALUE")
+            values[key] = value
+    return values

@@ -1,0 +1,343 @@
+#!/usr/bin/python
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Ansible modules keep their imports below the documentation blocks.
+# ruff: noqa: E402
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: dflash_release_tree
+short_description: Make a release live in one call (unpacked, checked and validated first)
+description:
+  - The container side of the dflash_release role, one round trip per deploy or rollback.
+  - A release that does not exist yet (no C(REVISION)) is unpacked from O(content) (base64 tar.gz,
+    so no separate file transfer) into C(releases/.staging-<id>). A release that exists already is
+    checked instead; a file or directory in it writable by group or others, or not owned by the
+    module's user, fails the task (a tampered release is never made live).
+  - Unless it is the live one already, the release (the staging directory for a new one) is then
+    validated with O(validate_argv), before anything is moved or switched. A validation that exits
+    non-zero does not fail the task; it returns RV(validated=false) and the command's output, switches
+    nothing and leaves the staging directory for inspection (the next switch removes it), so the
+    caller can say what to fix.
+  - A validated release is moved into place, C(previous) points at the release that was live,
+    C(current) is switched atomically (a new symlink renamed over the old one), and the newest O(keep)
+    releases are kept (the live and the previous one always), removing staging leftovers.
+  - The live release is left as it is (checked only), so an unchanged deploy changes nothing.
+  - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
+    all owned by the module's user; links, devices and paths outside the directory are refused.
+version_added: "0.1.0"
+author: dflash-ops contributors
+extends_documentation_fragment:
+  - dflash.ops.attributes
+attributes:
+  check_mode:
+    support: full
+    details: Reports what it would change; writes nothing and runs no validation.
+options:
+  state:
+    description:
+      - V(live) makes O(release) the live release.
+      - V(previous) makes the release C(previous) points at live again (a rollback; C(previous) then
+        points at the one that was live). Fails when C(current) or C(previous) is missing or both name
+        one release.
+    type: str
+    choices: [live, previous]
+    default: live
+  root:
+    description: Base directory (C(releases/), C(current), C(previous)).
+    type: path
+    required: true
+  release:
+    description:
+      The release's directory, C(<root>/releases/<id>). Required with V(live), not given with V(previous).
+    type: path
+  content:
+    description: The release archive (tar.gz), base64, unpacked when the release does not exist yet.
+    type: str
+  validate_argv:
+    description:
+      - The command that validates a release before it goes live, as an argument list; every C(%s) in
+        it is replaced by the directory validated (the staging directory of a new release). Exit 0
+        means valid. Without it nothing is validated.
+    type: list
+    elements: str
+  validate_environment:
+    description: Environment variables of the validation command; C(%s) in a value as in O(validate_argv).
+    type: dict
+    default: {}
+  keep:
+    description: Releases to keep after a switch (the live and the previous one always); V(0) removes none.
+    type: int
+    default: 0
+"""
+
+EXAMPLES = r"""
+- name: Ensure the release is live (unpacked and validated first when it is new).
+  dflash_release_tree:
+    root: /opt/dflash
+    release: /opt/dflash/releases/0123456789ab
+    content: "{{ lookup('ansible.builtin.file', '/tmp/0123456789ab.tar.gz.b64') }}"
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
+    validate_environment:
+      PYTHONPATH: "%s"
+    keep: 3
+  register: release
+
+- name: Fail when the release does not validate.
+  ansible.builtin.assert:
+    that: release.validated is not false
+    fail_msg: "{{ release.validation.stderr }}"
+
+- name: Go back to the previous release (validated again first).
+  dflash_release_tree:
+    state: previous
+    root: /opt/dflash
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
+    validate_environment:
+      PYTHONPATH: "%s"
+"""
+
+RETURN = r"""
+current:
+  description: Where C(current) pointed before the call (null when it did not exist).
+  type: str
+  returned: always
+release:
+  description: The release made live or left live (with V(previous), the one C(previous) named).
+  type: str
+  returned: always
+live:
+  description: Whether C(current) points at the release after the call (in check mode, would point).
+  type: bool
+  returned: always
+validated:
+  description: V(true) the validation passed, V(false) it failed (nothing was switched), null it did not
+    run (the release was live already, no O(validate_argv), or check mode).
+  type: bool
+  returned: always
+validation:
+  description: The validation command's result (null when it did not run).
+  type: dict
+  returned: always
+  contains:
+    dir:
+      description: The directory validated (the staging directory of a new release).
+      type: str
+    cmd:
+      description: The command run.
+      type: list
+      elements: str
+    rc:
+      description: Its exit status.
+      type: int
+    stdout:
+      description: Its standard output.
+      type: str
+    stderr:
+      description: Its standard error.
+      type: str
+    msg:
+      description: Why it could not be run (only then).
+      type: str
+staging:
+  description: The staging directory a new release was unpacked into (moved into place once validated,
+    left for inspection when not); null when the release existed.
+  type: str
+  returned: always
+removed:
+  description: The old release and staging directories removed after the switch.
+  type: list
+  elements: str
+  returned: always
+"""
+
+import base64
+import io
+import os
+import shutil
+import stat
+import tarfile
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = {
+    "state": {"type": "str", "choices": ["live", "previous"], "default": "live"},
+    "root": {"type": "path", "required": True},
+    "release": {"type": "path"},
+    "content": {"type": "str", "no_log": True},
+    "validate_argv": {"type": "list", "elements": "str"},
+    "validate_environment": {"type": "dict", "default": {}},
+    "keep": {"type": "int", "default": 0},
+}
+STAGING_PREFIX = ".staging-"
+
+
+def link_target(path):
+    return os.readlink(path) if os.path.islink(path) else None
+
+
+def staging_dir(release):
+    return os.path.join(os.path.dirname(release), STAGING_PREFIX + os.path.basename(release))
+
+
+def unsafe_entries(top):
+    """Entries under `top` writable by group or others or owned by another user, as 'path (mode, uid)'."""
+    uid, found = os.getuid(), []
+    for root, _dirs, files in os.walk(top):
+        for path in [root] + [os.path.join(root, f) for f in files]:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid != uid:
+                found.append(f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid})")
+    return found
+
+
+def unpack(data, dest):
+    """Unpack a tar.gz of regular files into a new `dest`: no paths outside it, no links or devices,
+    files 0644 (0755 when executable in the archive), directories 0755."""
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest, mode=0o755)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                raise ValueError(f"the archive holds {member.name!r}, which is not a plain path inside it")
+            path = os.path.join(dest, member.name)
+            if member.isdir():
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            with open(path, "wb") as fh:
+                shutil.copyfileobj(tar.extractfile(member), fh)
+            os.chmod(path, 0o755 if member.mode & stat.S_IXUSR else 0o644)
+
+
+def set_link(path, target):
+    """Point the symlink `path` at `target` atomically (a new link renamed over the old one)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def doomed(releases_dir, keep, protected):
+    """Release directories beyond the newest `keep` (never `protected`), and every staging leftover."""
+    entries = [os.path.join(releases_dir, e) for e in os.listdir(releases_dir)]
+    entries = [e for e in entries if os.path.isdir(e) and not os.path.islink(e)]
+    staging = [e for e in entries if os.path.basename(e).startswith(STAGING_PREFIX)]
+    kept = sorted((e for e in entries if e not in staging), key=os.path.getmtime, reverse=True)
+    old = [e for e in kept[keep:] if e not in protected] if keep > 0 else []
+    return sorted(old) + sorted(staging)
+
+
+def validation_command(argv, environment, directory):
+    """The validation's argument list and environment for `directory` (every %s replaced by it)."""
+    return ([arg.replace("%s", directory) for arg in argv],
+            {name: str(value).replace("%s", directory) for name, value in environment.items()})
+
+
+def validate(module, directory):
+    """Run the validation command on `directory`: {dir, cmd, rc, stdout, stderr} (and msg when it
+    could not be started)."""
+    cmd, env = validation_command(module.params["validate_argv"], module.params["validate_environment"],
+                                  directory)
+    try:
+        rc, out, err = module.run_command(cmd, environ_update=env, expand_user_and_vars=False,
+                                          handle_exceptions=False)
+    except OSError as exc:  # as the command module reports it: the errno as rc, the error as msg
+        return {"dir": directory, "cmd": cmd, "rc": exc.errno or 1, "stdout": "", "stderr": "",
+                "msg": str(exc)}
+    return {"dir": directory, "cmd": cmd, "rc": rc, "stdout": out, "stderr": err}
+
+
+def previous_release(module, root, current):
+    """The release `previous` points at, when there is one to go back to."""
+    previous = link_target(os.path.join(root, "previous"))
+    if not current:
+        why = f"{root}/current does not exist"
+    elif not previous:
+        why = f"{root}/previous does not exist"
+    else:
+        why = f"{root}/previous points at the live release" if previous == current else None
+    if why:
+        module.fail_json(msg=f"There is no previous release to roll back to ({why}).", current=current)
+    return previous
+
+
+def refuse_unsafe(module, release, current):
+    """Fail when another user could have changed the release: it never goes (or stays) live then."""
+    bad = unsafe_entries(release)
+    if bad:
+        module.fail_json(
+            msg=f"Release {release} is writable by other users or not owned by uid {os.getuid()}: "
+                f"{', '.join(bad[:5])}. Remove the directory (rm -r {release}) and deploy again "
+                f"to unpack it afresh.", current=current, unsafe=bad)
+
+
+def make_live(module, root, release, current):
+    """Ensure `release` (existing, or unpacked into staging and validated first) is live; the result."""
+    p, check = module.params, module.check_mode
+    result = {"current": current, "release": release, "live": True, "validated": None, "validation": None,
+              "staging": None, "removed": []}
+    exists = os.path.isfile(os.path.join(release, "REVISION"))
+    if exists or current == release:
+        refuse_unsafe(module, release, current)
+    if current == release:
+        return False, result
+    candidate = release
+    if not exists:
+        if not p["content"]:
+            module.fail_json(msg=f"Release {release} does not exist and no content (the release archive) "
+                                 f"was given; nothing was switched.", current=current)
+        candidate = result["staging"] = staging_dir(release)
+        if not check:
+            os.makedirs(os.path.dirname(release), mode=0o755, exist_ok=True)
+            try:
+                unpack(base64.b64decode(p["content"]), candidate)
+            except (tarfile.TarError, OSError, ValueError) as exc:
+                shutil.rmtree(candidate, ignore_errors=True)
+                module.fail_json(msg=f"cannot unpack the release into {candidate}: {exc}", current=current)
+    if p["validate_argv"] and not check:
+        result["validation"] = validate(module, candidate)
+        result["validated"] = result["validation"]["rc"] == 0
+        if not result["validated"]:
+            # Nothing moves or switches; a new release's staging directory stays for inspection.
+            result["live"] = False
+            return not exists, result
+    if not check:
+        if candidate != release:
+            shutil.rmtree(release, ignore_errors=True)  # an incomplete leftover (no REVISION)
+            os.rename(candidate, release)
+        if current:
+            set_link(os.path.join(root, "previous"), current)
+        set_link(os.path.join(root, "current"), release)
+    protected = {release, current, link_target(os.path.join(root, "previous"))}
+    releases_dir = os.path.join(root, "releases")
+    result["removed"] = doomed(releases_dir, p["keep"], protected) if os.path.isdir(releases_dir) else []
+    if not check:
+        for path in result["removed"]:
+            shutil.rmtree(path, ignore_errors=True)
+    return True, result
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=[("state", "live", ["release"])],
+                           supports_check_mode=True)
+    os.umask(0o022)
+    root = module.params["root"]
+    current = link_target(os.path.join(root, "current"))
+    if module.params["state"] == "previous":
+        if module.params["release"]:
+            module.fail_json(msg="state=previous goes back to the release `previous` names: give no release.")
+        release = previous_release(module, root, current)
+    else:
+        release = module.params["release"]
+    changed, result = make_live(module, root, release, current)
+    module.exit_json(changed=changed, **result)
+
+
+if __name__ == "__main__":
+    main()

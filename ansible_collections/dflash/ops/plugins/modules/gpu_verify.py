@@ -1,0 +1,468 @@
+#!/usr/bin/python
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Ansible modules keep their imports below the documentation blocks.
+# ruff: noqa: E402
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpu_verify
+short_description: Read the GPUs through nvidia-smi and wait until they are idle, busy or present
+description:
+  - Runs C(nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu) and
+    C(nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory) (CSV, no header, no units) and
+    returns the GPUs and their compute processes as data.
+  - Polls until O(expect) holds or O(timeout) passes; on timeout it fails with a table of what it
+    saw.
+  - Placeholders such as C([N/A]), C([Not Supported]), C([Insufficient Permissions]) and
+    C([Unknown Error]) become null. Driver errors, C(No devices were found) and a missing
+    C(nvidia-smi) get a clear message.
+  - Inside an LXC container nvidia-smi reports host pids, so idle and busy are judged by memory
+    used and the number of compute processes, never by looking the pids up. Run on the Proxmox
+    node (C(delegate_to)), each process is mapped to its container through C(/proc/<pid>/cgroup).
+  - Always read-only.
+version_added: "0.1.0"
+author: dflash-ops contributors
+extends_documentation_fragment:
+  - dflash.ops.attributes
+attributes:
+  check_mode:
+    support: full
+    details: Reads only, so it runs the same in check mode.
+options:
+  expect:
+    description:
+      - V(idle) every selected GPU has no compute process and at most O(max_memory_mib) used.
+      - V(busy) every selected GPU has a compute process or more than O(max_memory_mib) used.
+      - V(present) the selected GPUs (at least one) are listed.
+      - V(any) no expectation beyond O(gpus) and O(count); report only.
+    type: str
+    choices: [idle, busy, present, any]
+    default: any
+  gpus:
+    description: Indices of the GPUs to judge. Default all that nvidia-smi lists. An empty list is
+      accepted only with O(expect=any).
+    type: list
+    elements: int
+  max_memory_mib:
+    description: Memory used (MiB) that still counts as idle.
+    type: int
+    default: 100
+  count:
+    description: Number of GPUs nvidia-smi must list at least.
+    type: int
+  timeout:
+    description: Seconds to keep polling until the expectation holds; V(0) looks once.
+    type: float
+    default: 0
+  interval:
+    description: Seconds between polls.
+    type: float
+    default: 2
+  executable:
+    description: The nvidia-smi program, a name looked up in C(PATH) or a path.
+    type: str
+    default: nvidia-smi
+notes:
+  - Driver errors fail at once without polling; they do not clear up by waiting.
+"""
+
+EXAMPLES = r"""
+- name: Ensure GPUs 0 and 1 are idle before the run starts.
+  gpu_verify:
+    expect: idle
+    gpus: [0, 1]
+    timeout: 60
+
+- name: Ensure the run holds its GPUs.
+  gpu_verify:
+    expect: busy
+    gpus: [0, 1]
+    timeout: 120
+    interval: 5
+
+- name: Find which container holds each GPU (on the Proxmox node).
+  gpu_verify:
+    expect: any
+  delegate_to: "{{ proxmox_node }}"
+  register: node_gpus
+"""
+
+RETURN = r"""
+gpus:
+  description: The GPUs nvidia-smi lists; unknown values are null.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{index: 0, uuid: GPU-5c1e..., name: NVIDIA H100 80GB HBM3, memory_used_mib: 0,
+            memory_total_mib: 81559, utilization_pct: 0}]
+processes:
+  description: Compute processes; C(pid) is a host pid. C(vmid) and C(container_pid) are set when
+    the module runs on the node and the process lives in an LXC container, else null.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{pid: 81234, gpu_uuid: GPU-5c1e..., gpu_index: 0, used_memory_mib: 1024, vmid: 200,
+            container_pid: 57}]
+met:
+  description: Whether the expectation held.
+  returned: always
+  type: bool
+reasons:
+  description: Why the expectation did not hold at the last poll (empty when met).
+  returned: always
+  type: list
+  elements: str
+table:
+  description: Lines of the table of the last poll (also in the failure message).
+  returned: always
+  type: list
+  elements: str
+polls:
+  description: Number of times nvidia-smi was read.
+  returned: always
+  type: int
+seconds:
+  description: Seconds spent polling.
+  returned: always
+  type: float
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = dict(
+    expect=dict(type="str", default="any", choices=["idle", "busy", "present", "any"]),
+    gpus=dict(type="list", elements="int"),
+    max_memory_mib=dict(type="int", default=100),
+    count=dict(type="int"),
+    timeout=dict(type="float", default=0),
+    interval=dict(type="float", default=2),
+    executable=dict(type="str", default="nvidia-smi"),
+)
+GPU_QUERY = "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu"
+APPS_QUERY = "--query-compute-apps=pid,gpu_uuid,used_memory"
+CSV_FORMAT = "--format=csv,noheader,nounits"
+NVIDIA_SMI_TIMEOUT = 30
+NO_DEVICES = "No devices were found"
+NO_PROCESSES = "No running processes found"
+
+# What nvidia-smi prints in a field it cannot fill; any other "[...]" is treated the same way.
+PLACEHOLDERS = {"N/A", "[N/A]", "[Not Supported]", "[Insufficient Permissions]", "[Unknown Error]",
+                "[GPU requires reset]", "[GPU is lost]", "[Not Found]", "ERR!"}
+
+# Known failure texts, most specific first; each names the usual cause.
+KNOWN_FAILURES = (
+    ("couldn't communicate with the NVIDIA driver",
+     "nvidia-smi cannot reach the NVIDIA driver: the kernel module is not loaded (or, in a container, "
+     "the /dev/nvidia* devices are not passed through)"),
+    ("Driver/library version mismatch",
+     "the NVIDIA user-space library and the loaded kernel module differ in version "
+     "(driver updated without reboot); reload the nvidia modules or reboot the node"),
+    ("Failed to initialize NVML: Unknown Error",
+     "NVML failed to initialise with an unknown error; in a container this usually means access to "
+     "the /dev/nvidia* devices was lost (device cgroup rules); restart the container"),
+    ("Insufficient Permissions",
+     "nvidia-smi lacks permission to open the GPU devices"),
+    ("couldn't find libnvidia-ml.so",
+     "the NVML library (libnvidia-ml.so) is not installed or not on the library path"),
+    ("GPU is lost",
+     "a GPU has fallen off the bus or become inaccessible; the node needs attention"),
+)
+
+# nvidia-smi(1), RETURN VALUE; 18 (NVML_ERROR_LIB_RM_VERSION_MISMATCH) is not listed there but is what it
+# returns on "Driver/library version mismatch".
+EXIT_CODES = {
+    2: "a supplied argument or flag is invalid",
+    3: "the requested operation is not available on the target device",
+    4: "the current user does not have permission to access the device",
+    6: "a query to find an object was unsuccessful",
+    8: "a device's external power cables are not properly attached",
+    9: "the NVIDIA driver is not loaded",
+    10: "the NVIDIA kernel detected an interrupt issue with a GPU",
+    12: "the NVML shared library could not be found or loaded",
+    13: "the local NVML does not implement this function",
+    14: "the infoROM is corrupted",
+    15: "a GPU has fallen off the bus or has otherwise become inaccessible",
+    18: "the NVML library and the driver versions do not match",
+    255: "other error or internal driver error",
+}
+
+LXC_CGROUP = re.compile(r"(?:^|/)lxc(?:\.payload)?[./]([0-9]+)(?=/|$)")
+
+
+class NvidiaSmiError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing (pure)
+
+
+def parse_number(raw, what, line):
+    value = raw.strip()
+    if value in PLACEHOLDERS or (value.startswith("[") and value.endswith("]")):
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        raise NvidiaSmiError(f"nvidia-smi gave {value!r} for {what} in line {line!r}") from None
+
+
+def parse_text(raw):
+    value = raw.strip()
+    return None if value in PLACEHOLDERS else value
+
+
+def data_lines(output):
+    return [line for line in output.splitlines() if line.strip() and NO_PROCESSES not in line]
+
+
+def parse_gpus(output):
+    """Rows of --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu. The name is
+    the only free-text field, so a comma in it is rejoined from the fields around it."""
+    gpus = []
+    for line in data_lines(output):
+        fields = line.split(",")
+        if len(fields) < 6:
+            raise NvidiaSmiError(f"unexpected nvidia-smi GPU line (want 6 fields): {line!r}")
+        index, uuid, *name, used, total, util = fields
+        gpus.append({
+            "index": parse_number(index, "index", line),
+            "uuid": parse_text(uuid),
+            "name": parse_text(",".join(name)),
+            "memory_used_mib": parse_number(used, "memory.used", line),
+            "memory_total_mib": parse_number(total, "memory.total", line),
+            "utilization_pct": parse_number(util, "utilization.gpu", line),
+        })
+    return gpus
+
+
+def parse_processes(output, gpus):
+    """Rows of --query-compute-apps=pid,gpu_uuid,used_memory, with the GPU index looked up."""
+    index_of = {gpu["uuid"]: gpu["index"] for gpu in gpus if gpu["uuid"]}
+    processes = []
+    for line in data_lines(output):
+        fields = line.split(",")
+        if len(fields) != 3:
+            raise NvidiaSmiError(f"unexpected nvidia-smi process line (want 3 fields): {line!r}")
+        uuid = parse_text(fields[1])
+        processes.append({
+            "pid": parse_number(fields[0], "pid", line),
+            "gpu_uuid": uuid,
+            "gpu_index": index_of.get(uuid),
+            "used_memory_mib": parse_number(fields[2], "used_memory", line),
+            "vmid": None,
+            "container_pid": None,
+        })
+    return processes
+
+
+def explain_failure(rc, output):
+    """A message for a failed nvidia-smi run: the known cause, else the meaning of its exit code."""
+    text = " ".join(output.split())
+    for marker, cause in KNOWN_FAILURES:
+        if marker.lower() in text.lower():
+            return f"{cause} (nvidia-smi exit {rc}: {text})"
+    meaning = EXIT_CODES.get(rc, "unknown exit code")
+    return f"nvidia-smi failed with exit {rc} ({meaning}): {text or 'no output'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Containers (pure given a proc root)
+
+
+def vmid_from_cgroup(text):
+    """The container id in /proc/<pid>/cgroup: Proxmox puts container processes under
+    /lxc/<vmid>/..., plain LXC under /lxc.payload.<name>/... (cgroup v2) or /lxc/<name> (v1)."""
+    for line in text.splitlines():
+        match = LXC_CGROUP.search(line.split(":", 2)[-1])
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def read_text(path):
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def container_pid(status_text):
+    """The pid inside the process's own namespace: the last NSpid entry of /proc/<pid>/status."""
+    for line in (status_text or "").splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return None
+
+
+def inside_lxc(proc_root="/proc"):
+    """Inside a container, nvidia-smi's host pids mean nothing in the local /proc (a local process
+    may even carry the same number), so no mapping is attempted there."""
+    if vmid_from_cgroup(read_text(f"{proc_root}/self/cgroup") or "") is not None:
+        return True
+    environ = read_text(f"{proc_root}/1/environ") or ""
+    return "container=lxc" in environ.split("\0")
+
+
+def map_containers(processes, proc_root="/proc"):
+    for process in processes:
+        if process["pid"] is None:
+            continue
+        vmid = vmid_from_cgroup(read_text(f"{proc_root}/{process['pid']}/cgroup") or "")
+        if vmid is not None:
+            process["vmid"] = vmid
+            process["container_pid"] = container_pid(read_text(f"{proc_root}/{process['pid']}/status"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging (pure)
+
+
+def gpu_load(gpu, processes, max_memory_mib):
+    """(busy, description) of one GPU: busy when it has a compute process or more memory used
+    than max_memory_mib; unknown memory is judged by the processes alone."""
+    pids = [p["pid"] for p in processes if p["gpu_uuid"] is not None and p["gpu_uuid"] == gpu["uuid"]]
+    used = gpu["memory_used_mib"]
+    memory_busy = used is not None and used > max_memory_mib
+    memory = "memory used unknown" if used is None else f"{used} MiB used"
+    comparison = "" if used is None else (" > " if memory_busy else " <= ") + f"{max_memory_mib}"
+    procs = f"{len(pids)} compute process(es) {pids}" if pids else "no compute process"
+    return bool(pids) or memory_busy, f"{procs}, {memory}{comparison}"
+
+
+def unmet(expect, gpus, processes, selected, max_memory_mib, count):
+    """Why the expectation does not hold; an empty list means it holds."""
+    reasons = []
+    if count is not None and len(gpus) < count:
+        reasons.append(f"{len(gpus)} GPU(s) listed, at least {count} required")
+    by_index = {gpu["index"]: gpu for gpu in gpus}
+    wanted = sorted(by_index, key=lambda i: (i is None, i)) if selected is None else selected
+    missing = [i for i in wanted if i not in by_index]
+    if missing:
+        listed = sorted(i for i in by_index if i is not None)
+        reasons.append(f"GPU(s) {missing} not listed (listed: {listed})")
+    chosen = [by_index[i] for i in wanted if i in by_index]
+    if expect != "any" and not chosen and not missing:
+        reasons.append("no GPU listed")
+    if expect in ("idle", "busy"):
+        for gpu in chosen:
+            busy, description = gpu_load(gpu, processes, max_memory_mib)
+            if busy != (expect == "busy"):
+                reasons.append(f"GPU {gpu['index']} is {'busy' if busy else 'idle'}: {description}")
+    return reasons
+
+
+def render_table(gpus, processes, max_memory_mib):
+    def show(value):
+        return "?" if value is None else str(value)
+
+    lines = [f"{'GPU':>3}  {'MEM USED/TOTAL MiB':>18}  {'UTIL%':>5}  {'PROCS':>5}  {'STATE':<5}  NAME"]
+    if not gpus:
+        lines.append("  (no GPU listed)")
+    for gpu in gpus:
+        count = sum(1 for p in processes if p["gpu_uuid"] is not None and p["gpu_uuid"] == gpu["uuid"])
+        busy, _ = gpu_load(gpu, processes, max_memory_mib)
+        memory = f"{show(gpu['memory_used_mib'])}/{show(gpu['memory_total_mib'])}"
+        lines.append(f"{show(gpu['index']):>3}  {memory:>18}  {show(gpu['utilization_pct']):>5}  "
+                     f"{count:>5}  {'busy' if busy else 'idle':<5}  {show(gpu['name'])}")
+    if processes:
+        lines.append(f"{'PID':>8}  {'GPU':>3}  {'MEM MiB':>7}  {'VMID':>5}  {'CT PID':>6}")
+        for p in processes:
+            lines.append(f"{show(p['pid']):>8}  {show(p['gpu_index']):>3}  {show(p['used_memory_mib']):>7}  "
+                         f"{show(p['vmid']):>5}  {show(p['container_pid']):>6}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Running nvidia-smi
+
+
+def run_nvidia_smi(executable, query):
+    """stdout of one query, or None when nvidia-smi lists no device; raises NvidiaSmiError with the cause."""
+    try:
+        proc = subprocess.run([executable, query, CSV_FORMAT], capture_output=True, text=True,
+                              timeout=NVIDIA_SMI_TIMEOUT, env=dict(os.environ, LC_ALL="C"))
+    except subprocess.TimeoutExpired:
+        raise NvidiaSmiError(f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT}s ({query})") from None
+    except OSError as exc:
+        raise NvidiaSmiError(f"cannot run {executable}: {exc.strerror}") from None
+    output = (proc.stdout + "\n" + proc.stderr).strip()
+    if NO_DEVICES in output:
+        return None
+    if proc.returncode != 0:
+        raise NvidiaSmiError(explain_failure(proc.returncode, output))
+    return proc.stdout
+
+
+def observe(executable, map_vmids):
+    gpu_output = run_nvidia_smi(executable, GPU_QUERY)
+    if gpu_output is None:
+        return [], []
+    gpus = parse_gpus(gpu_output)
+    processes = parse_processes(run_nvidia_smi(executable, APPS_QUERY) or "", gpus)
+    if map_vmids:
+        map_containers(processes)
+    return gpus, processes
+
+
+def find_executable(name):
+    if "/" in name:
+        return name if os.access(name, os.X_OK) and os.path.isfile(name) else None
+    # sbin and /usr/local/bin are not always on the PATH of a non-interactive connection.
+    extra = os.pathsep.join(("/usr/bin", "/usr/local/bin", "/usr/sbin", "/bin"))
+    return shutil.which(name, path=os.environ.get("PATH", "") + os.pathsep + extra)
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    p = module.params
+    for key, minimum in (("max_memory_mib", 0), ("count", 0), ("timeout", 0), ("interval", 0.1)):
+        if p[key] is not None and p[key] < minimum:
+            module.fail_json(msg=f"{key} must be >= {minimum}, got {p[key]}", changed=False)
+    if p["gpus"] is not None and any(i < 0 for i in p["gpus"]):
+        module.fail_json(msg=f"gpus must be GPU indices >= 0, got {p['gpus']}", changed=False)
+    if p["gpus"] == [] and p["expect"] != "any":
+        module.fail_json(msg=f"gpus is empty, so expect={p['expect']} would judge nothing: "
+                             "name GPU indices, or omit gpus to judge every GPU", changed=False)
+    executable = find_executable(p["executable"])
+    if executable is None:
+        module.fail_json(msg=f"{p['executable']} not found (PATH={os.environ.get('PATH')}): "
+                             "no NVIDIA driver utilities on this host", changed=False)
+
+    map_vmids = not inside_lxc()
+    began, polls = time.monotonic(), 0
+    deadline = began + p["timeout"]
+    while True:
+        try:
+            gpus, processes = observe(executable, map_vmids)
+        except NvidiaSmiError as exc:
+            module.fail_json(msg=str(exc), changed=False, polls=polls)
+        polls += 1
+        reasons = unmet(p["expect"], gpus, processes, p["gpus"], p["max_memory_mib"], p["count"])
+        remaining = deadline - time.monotonic()
+        if not reasons or remaining <= 0:
+            break
+        time.sleep(min(p["interval"], remaining))
+
+    table = render_table(gpus, processes, p["max_memory_mib"])
+    result = dict(changed=False, met=not reasons, reasons=reasons, gpus=gpus, processes=processes,
+                  table=table, polls=polls, seconds=round(time.monotonic() - began, 1))
+    if reasons:
+        seen = "\n".join(table)
+        module.fail_json(msg=f"expect={p['expect']} not met after {result['seconds']}s ({polls} poll(s)): "
+                             f"{'; '.join(reasons)}\n{seen}", **result)
+    module.exit_json(msg=f"expect={p['expect']} met: {len(gpus)} GPU(s), "
+                         f"{len(processes)} compute process(es)", **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+#!/usr/bin/python
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Ansible modules keep their imports below the documentation blocks, and targets may run a Python
+# older than 3.11 (no datetime.UTC).
+# ruff: noqa: E402, UP017
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: training_run
+short_description: Start, stop, restart or inspect one training run through its pidfile
+description:
+  - Manages one long-running process (a training run) identified only by a pidfile that records
+    its pid, its process-group id and its start time (field 22 of C(/proc/<pid>/stat)).
+  - V(started) runs O(command) in a new session (process-group id = pid), detached from the
+    Ansible connection, stdout and stderr appended to O(log_path), and writes the pidfile atomically.
+  - V(stopped) acts only if the recorded pid is alive, not a zombie, and has the recorded start
+    time. It sends SIGTERM to the process group and to every descendant of the recorded pid (a
+    child that called setsid has left the group), waits O(stop_timeout), sends SIGKILL, waits
+    O(kill_timeout) and confirms that none of them is left.
+  - A stale pidfile (dead pid, zombie, or pid reused by another process) is removed without
+    signalling anything. One that names nothing (empty, truncated, not JSON, missing fields) is
+    stale too, and is kept for inspection as C(<pidfile>.unreadable-<UTC time>). Processes are never
+    chosen by command line or name.
+  - A pidfile that is not a regular file, not owned by the module's user, writable by other users,
+    or in a directory every user can write to, is never trusted; every state but V(status) fails.
+version_added: "0.1.0"
+author: dflash-ops contributors
+extends_documentation_fragment:
+  - dflash.ops.attributes
+attributes:
+  check_mode:
+    support: full
+options:
+  name:
+    description: Name of the run; stored in the pidfile and used for the default paths.
+    type: str
+    required: true
+  state:
+    description:
+      - V(started) starts the run unless a live run holds the pidfile. If that run has the same
+        O(command) nothing changes; otherwise the module fails and says what is running.
+      - V(stopped) stops the run recorded in the pidfile and removes the pidfile.
+      - V(restarted) stops the live run (if any), then starts O(command).
+      - V(status) reports the run without changing anything.
+    type: str
+    choices: [started, stopped, restarted, status]
+    default: started
+  pidfile:
+    description: Path of the pidfile. Defaults to C(/var/lib/dflash/<name>.pid).
+    type: path
+  command:
+    description:
+      - The argv of the run (no shell). Required for V(started) and V(restarted). A relative
+        program path is resolved against O(chdir), a bare name in the run's C(PATH).
+    type: list
+    elements: str
+  chdir:
+    description: Working directory of the run. Defaults to C(/) (never the module's temporary
+      directory, which Ansible removes).
+    type: path
+  environment:
+    description: Variables added to the module's environment for the run.
+    type: dict
+    default: {}
+  log_path:
+    description: File that gets the run's stdout and stderr appended. Defaults to
+      C(/var/log/dflash/<name>.log).
+    type: path
+  stop_timeout:
+    description: Seconds the run gets after SIGTERM to checkpoint and exit before SIGKILL.
+    type: float
+    default: 120
+  kill_timeout:
+    description: Seconds to wait after SIGKILL before failing with the processes that are left.
+    type: float
+    default: 10
+  startup_wait:
+    description: Seconds the run must stay alive after starting; if it exits sooner the module
+      fails with the tail of O(log_path).
+    type: float
+    default: 1
+  wait_for:
+    description:
+      - A regular expression; after a start the module waits until a line the run appends to
+        O(log_path) matches it (its first training step, say). The run dying first fails the
+        module with the log's tail; no match within O(wait_timeout) fails it and leaves the run.
+    type: str
+  wait_timeout:
+    description: Seconds O(wait_for) may take.
+    type: float
+    default: 300
+  expect_pid:
+    description:
+      - The pid of the run the caller inspected earlier, or V(0) for no run. If a live run with
+        another pid holds the pidfile when the module acts (a concurrent deploy or an operator
+        started one), nothing is signalled or started and the module fails saying so. So it does
+        when the pidfile is gone (only a stop removes it). A run that died on its own, its pidfile
+        left behind, counts as expected.
+    type: int
+  environment_file:
+    description:
+      - C(KEY=VALUE) lines added to the run's environment on V(started) and V(restarted), for
+        secrets (tokens), which never pass through the module's arguments or result. The file must
+        be owned by the module's user and readable by it alone (mode 0600).
+    type: path
+notes:
+  - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
+    so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
+  - A lock file C(<pidfile>.lock) serialises concurrent invocations on the same pidfile.
+"""
+
+EXAMPLES = r"""
+- name: Ensure the training run is started.
+  training_run:
+    name: main
+    command: [/opt/dflash/current/run.sh]
+    chdir: /opt/dflash/current
+    environment:
+      CUDA_VISIBLE_DEVICES: "0,1"
+
+- name: Restart the run if it is still the one inspected, and wait for its first step.
+  training_run:
+    name: main
+    state: restarted
+    command: [/opt/dflash/current/run.sh]
+    expect_pid: "{{ inspected.pid or 0 }}"
+    wait_for: '"event": *"step"'
+    environment_file: /var/lib/dflash/main.env
+
+- name: Ensure the training run is stopped (it checkpoints on SIGTERM).
+  training_run:
+    name: main
+    state: stopped
+    stop_timeout: 300
+"""
+
+RETURN = r"""
+status:
+  description: V(running) or V(stopped), when the module returns.
+  returned: always
+  type: str
+pid:
+  description: Pid of the run (the new one after a start), or null.
+  returned: always
+  type: int
+run:
+  description: The pidfile's content (pid, pgid, start_time, argv, chdir, started_at, name,
+    log_path) or null.
+  returned: always
+  type: dict
+stale_pidfile:
+  description: Whether the pidfile named a process that is gone, a zombie or another process.
+  returned: always
+  type: bool
+uptime:
+  description: Seconds since the run started.
+  returned: when running
+  type: float
+how:
+  description: How the stop ended.
+  returned: when a pidfile was acted on outside check mode by V(stopped) or V(restarted), or a
+    stale one replaced by V(started)
+  type: str
+  choices: [terminated, killed, already_stopped, stale_pidfile]
+seconds:
+  description: Seconds the stop took.
+  returned: with O(how)
+  type: float
+signalled:
+  description: Pids that were sent SIGTERM or SIGKILL.
+  returned: with O(how)
+  type: list
+  elements: int
+processes:
+  description: Pids of the run seen during the stop (process group members and descendants of
+    the recorded pid, including those started after SIGTERM); none of them is left.
+  returned: with O(how)
+  type: list
+  elements: int
+previous_pid:
+  description: Pid of the run V(restarted) stopped, or of the stale pidfile a start replaced.
+  returned: when a pidfile existed before V(started) or V(restarted)
+  type: int
+pidfile_problem:
+  description: Why the pidfile names no run (empty, not JSON, missing fields).
+  returned: when the pidfile was unreadable
+  type: str
+pidfile_unsafe:
+  description: Why the pidfile is not trusted (owner, mode, directory).
+  returned: when it is not
+  type: str
+set_aside:
+  description: Where an unreadable pidfile was moved.
+  returned: when an unreadable pidfile was acted on
+  type: str
+startup_seconds:
+  description: Seconds from the start until the run had lived O(startup_wait) and matched O(wait_for).
+  returned: after a start
+  type: float
+progress:
+  description: The log line that matched O(wait_for).
+  returned: after a start with O(wait_for)
+  type: str
+log_tail:
+  description: End of O(log_path) when the run died at start or did not match O(wait_for).
+  returned: on start failure
+  type: str
+"""
+
+import os
+import re
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    RunError,
+    Unreadable,
+    describe,
+    inspect,
+    pidfile_lock,
+    remove_file,
+    running_result,
+    set_aside,
+    stopped_result,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
+    preflight,
+    read_environment_file,
+    start_run,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
+
+# How a concurrent change is named in messages (a second playbook, or an operator).
+CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
+
+
+ARGUMENT_SPEC = dict(
+    name=dict(type="str", required=True),
+    state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
+    pidfile=dict(type="path"),
+    command=dict(type="list", elements="str"),
+    chdir=dict(type="path"),
+    environment=dict(type="dict", default={}),
+    log_path=dict(type="path"),
+    stop_timeout=dict(type="float", default=120),
+    kill_timeout=dict(type="float", default=10),
+    startup_wait=dict(type="float", default=1),
+    wait_for=dict(type="str"),
+    wait_timeout=dict(type="float", default=300),
+    expect_pid=dict(type="int"),
+    environment_file=dict(type="path"),
+)
+
+
+def check_expected(params, record, verdict):
+    """Optimistic concurrency: `expect_pid` is the run this play inspected (0: none). A live run with
+    another pid means somebody else started one since; nothing may be signalled or started."""
+    expected = params["expect_pid"]
+    if expected is None:
+        return
+    if verdict == "absent" and expected:
+        # Only a stop removes a pidfile (a run that dies leaves a stale one): somebody stopped it.
+        raise RunError(f"run {params['name']} changed under this deploy: expected pid {expected}, but its "
+                       f"pidfile {params['pidfile']} is gone: {CHANGED_UNDER}. Nothing was signalled or "
+                       f"started; rerun to act on the run as it is now.")
+    if verdict != "live" or record["pid"] == expected:
+        return
+    what = f"pid {expected}" if expected else "no run"
+    raise RunError(f"run {params['name']} changed under this deploy: expected {what}, found a live run "
+                   f"({describe(record)}): {CHANGED_UNDER}. Nothing was signalled or started; rerun to act "
+                   f"on the run as it is now.", **running_result(record))
+
+
+def do_stop(module, record, verdict):
+    """Stop what the pidfile names; returns the result fields."""
+    params = module.params
+    pidfile = params["pidfile"]
+    if verdict == "absent":
+        return dict(changed=False, how="already_stopped", seconds=0.0, signalled=[], processes=[], pid=None,
+                    msg=f"no pidfile {pidfile}: nothing to stop")
+    if verdict == "unreadable":
+        aside = None if module.check_mode else set_aside(pidfile)
+        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], processes=[], pid=None,
+                    pidfile_problem=record.problem, set_aside=aside,
+                    msg=f"stale pidfile {pidfile}: {describe(record)}; nothing signalled, kept as {aside}")
+    if verdict != "live":
+        msg = f"stale pidfile {pidfile} ({verdict}: {describe(record)}) removed, nothing signalled"
+        if not module.check_mode:
+            remove_file(pidfile)
+        return dict(changed=True, how="stale_pidfile", seconds=0.0, signalled=[], processes=[],
+                    pid=record["pid"], msg=msg)
+    if module.check_mode:
+        return dict(changed=True, pid=record["pid"], msg=f"would stop {describe(record)}")
+    stopped = RunStopper(record).stop(params["stop_timeout"], params["kill_timeout"])
+    remove_file(pidfile)
+    return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
+                **stopped)
+
+
+def apply_state(module, env):
+    params = module.params
+    state = params["state"]
+    record, verdict, unsafe = inspect(params["pidfile"])
+
+    if state == "status":
+        extra = {"pidfile_unsafe": unsafe} if unsafe else {}
+        if verdict == "live":
+            return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
+        return stopped_result(record, verdict, changed=False, msg=f"stopped ({verdict} pidfile)", **extra)
+
+    if unsafe:
+        raise RunError(f"pidfile {params['pidfile']} {unsafe}: anyone able to write it could name any "
+                       f"process, so it is not trusted and nothing was signalled or started. Check who "
+                       f"changed it, then make it root-owned and not writable by others (chmod 0644) or "
+                       f"remove it.", pidfile_unsafe=unsafe)
+    check_expected(params, record, verdict)
+
+    if state == "stopped":
+        result = stopped_result(record, verdict)
+        result.update(do_stop(module, record, verdict))
+        return result
+
+    preflight(params, env)
+    if state == "started" and verdict == "live":
+        if record.get("argv") == params["command"]:
+            return running_result(record, changed=False, msg=f"already running: {describe(record)}")
+        raise RunError(f"pidfile {params['pidfile']} is held by a live run with another command: "
+                       f"{describe(record)}; use state=restarted to replace it", **running_result(record))
+    result = {}
+    if verdict != "absent":  # restarted with a live run, or any stale pidfile
+        result.update(do_stop(module, record, verdict))
+        result["previous_pid"] = result.pop("pid")
+        result["stop_msg"] = result.pop("msg")
+    if module.check_mode:
+        result.update(stopped_result(record, verdict, changed=True, msg=f"would start {params['command']}"))
+        return result
+    new_record, startup = start_run(params, env)
+    msg = f"started {describe(new_record)}"
+    if "stop_msg" in result:
+        msg = f"{result['stop_msg']}; {msg}"
+    result.update(running_result(new_record, changed=True, msg=msg, **startup))
+    result["stale_pidfile"] = verdict not in ("absent", "live")
+    return result
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC,
+        required_if=[("state", "started", ["command"]), ("state", "restarted", ["command"])],
+        supports_check_mode=True,
+    )
+    params = module.params
+    name = params["name"]
+    if not name or "/" in name or name.startswith("."):
+        module.fail_json(msg=f"name {name!r} must be a plain file name (no '/', not starting with '.')")
+    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout"):
+        if params[key] < 0:
+            module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
+    if params["expect_pid"] is not None and params["expect_pid"] < 0:
+        module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
+    if params["wait_for"]:
+        try:
+            re.compile(params["wait_for"])
+        except re.error as exc:
+            module.fail_json(msg=f"wait_for is not a regular expression: {exc}")
+    params["pidfile"] = params["pidfile"] or f"/var/lib/dflash/{name}.pid"
+    params["log_path"] = params["log_path"] or f"/var/log/dflash/{name}.log"
+    env = dict(os.environ)
+    env.update({key: str(value) for key, value in params["environment"].items()})
+
+    result = dict(name=name, pidfile=params["pidfile"])
+    try:
+        if params["environment_file"] and params["state"] in ("started", "restarted"):
+            env.update(read_environment_file(params["environment_file"]))
+        with pidfile_lock(params["pidfile"], enabled=params["state"] != "status" and not module.check_mode):
+            result.update(apply_state(module, env))
+    except RunError as exc:
+        result.update(exc.result)
+        module.fail_json(msg=str(exc), **result)
+    except OSError as exc:
+        module.fail_json(msg=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), **result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
