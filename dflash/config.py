@@ -199,8 +199,8 @@ class PipelineConfig(_Section):
                 raise ConfigError("pipeline", "target_workers/drafter_workers are for device cpu; "
                                   "on cuda list the GPUs in target_gpus and drafter_gpus")
             if not self.target_gpus or not self.drafter_gpus:
-                raise ConfigError("pipeline", "device cuda needs at least one target GPU and one drafter GPU, "
-                                  f"got target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
+                raise ConfigError("pipeline", "device cuda needs at least one target GPU and one drafter "
+                                  f"GPU, got target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
             for key in ("target_gpus", "drafter_gpus"):
                 gpus = getattr(self, key)
                 self._require(len(set(gpus)) == len(gpus), key, "lists a GPU twice")
@@ -311,8 +311,8 @@ def target_shape(target_path: str) -> tuple[int, int]:
         text = raw.get("text_config") or raw
         return int(text["num_hidden_layers"]), int(text["vocab_size"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError("model.target_path",
-                          f"cannot read num_hidden_layers and vocab_size from {config_file}: {exc!r}") from exc
+        message = f"cannot read num_hidden_layers and vocab_size from {config_file}: {exc!r}"
+        raise ConfigError("model.target_path", message) from exc
 
 
 def check_against_target(cfg: TrainConfig) -> None:
@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         load_config(args.config, check_target=not args.no_target_check)
     except ConfigError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key, "message": exc.message}))
+            print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key,
+                              "message": exc.message}))
         else:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2

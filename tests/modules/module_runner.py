@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of the modules in library/ (a plain module: tests/conftest.py owns
+"""Helpers shared by the tests of the dflash.ops collection's modules (a plain module: tests/conftest.py owns
 the name conftest).
 
 Unit tests import the modules' pure helpers directly; the other tests run the modules for real,
@@ -22,22 +22,26 @@ import pytest
 from pvesim.procs import is_alive as alive  # live and not a zombie
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARY = REPO / "library"
+MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
 VENV_BIN = Path(sys.executable).parent
 
-if str(LIBRARY) not in sys.path:
-    sys.path.insert(0, str(LIBRARY))
+
+def module_command(name):
+    """A shell command prefix that runs the collection's module `name` as a program, the way Ansible's
+    wrapper does: Python with the repo (which holds ansible_collections/) on its path."""
+    return f"PYTHONPATH={REPO} {sys.executable} {MODULES / (name + '.py')}"
 
 
 def run_module(name, args, env=None, timeout=60):
-    """Run library/<name>.py with `args` and return (result dict, rc)."""
+    """Run the collection's module `name` with `args` and return (result dict, rc)."""
     fd, name_of_file = tempfile.mkstemp(prefix="module-args-", suffix=".json")
     args_file = Path(name_of_file)
     with os.fdopen(fd, "w") as handle:
         json.dump({"ANSIBLE_MODULE_ARGS": args}, handle)
     try:
-        proc = subprocess.run([sys.executable, str(LIBRARY / f"{name}.py"), str(args_file)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run([sys.executable, str(MODULES / f"{name}.py"), str(args_file)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=dict(env or os.environ, PYTHONPATH=str(REPO)))
     finally:
         args_file.unlink()
     try:
@@ -60,7 +64,7 @@ def ansible_json(argv, env=None, timeout=120):
 
 def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory="localhost,"):
     """Run one module through the `ansible` ad-hoc command; returns that host's result."""
-    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-M", str(LIBRARY), "-m", module,
+    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-m", f"dflash.ops.{module}",
                "-a", json.dumps(args)]
     if inventory == "localhost,":
         command += ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import gpu_verify as gv
 import pytest
+
+from ansible_collections.dflash.ops.plugins.modules import gpu_verify as gv
 
 # `--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`
 H100_IDLE = """\

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from module_runner import LIBRARY, ansible_module, playbook_results
+from module_runner import MODULES, REPO, ansible_module, playbook_results
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -91,7 +91,8 @@ class Container:
 
 def training_run_command(**args):
     """A shell command running training_run in the container without Ansible (arguments as JSON)."""
-    return f"{VENV_PYTHON} {LIBRARY}/training_run.py {shlex.quote(json.dumps({'ANSIBLE_MODULE_ARGS': args}))}"
+    payload = shlex.quote(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    return f"PYTHONPATH={REPO} {VENV_PYTHON} {MODULES}/training_run.py {payload}"
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from module_runner import ansible_module, run_module
-from pct_container_check import (
+
+from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
     Answer,
     gpu_count,
     gpu_passthrough_lines,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from module_runner import LIBRARY, alive, ansible_module, run_module, wait_for
+from module_runner import alive, ansible_module, module_command, run_module, wait_for
 
 FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
 
@@ -92,7 +92,7 @@ def test_run_survives_the_teardown_of_the_session_that_started_it(run, tmp_path)
     args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": run.args(command=[sys.executable, FAKE_RUN])}))
     out = tmp_path / "out.json"
     shell = subprocess.Popen(
-        ["bash", "-c", f"{sys.executable} {LIBRARY}/training_run.py {args_file} > {out}; exec sleep 300"],
+        ["bash", "-c", f"{module_command('training_run')} {args_file} > {out}; exec sleep 300"],
         start_new_session=True,
     )
     try:
@@ -191,7 +191,7 @@ def test_the_shell_that_stops_and_a_decoy_named_like_the_run_survive(run, tmp_pa
     args_file = tmp_path / "stop.json"
     args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": run.args(state="stopped")}))
     shell = subprocess.run(
-        ["bash", "-c", f"{sys.executable} {LIBRARY}/training_run.py {args_file}; echo survived {FAKE_RUN}"],
+        ["bash", "-c", f"{module_command('training_run')} {args_file}; echo survived {FAKE_RUN}"],
         capture_output=True, text=True, timeout=60,
     )
     assert shell.returncode == 0, shell.stderr

@@ -18,7 +18,7 @@ import pytest
 from roles_support import REPO, Fleet
 
 CONTAINERS = (200, 201, 202, 203)
-LIBRARY = REPO / "library"
+MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
 FAKE_RUN = str(REPO / "tests" / "modules" / "fixtures" / "fake_run.py")
 # The containers' root is an overlay of this machine's: this venv's python is visible inside.
 VENV_PYTHON = sys.executable
@@ -219,7 +219,8 @@ def training_run(fleet, vmid, timeout=180, **args):
     """training_run with `args`, run in the container by the project's module file (no Ansible);
     returns its result (failed: true when it failed)."""
     payload = json.dumps({"ANSIBLE_MODULE_ARGS": args})
-    command = " ".join(shlex.quote(a) for a in (VENV_PYTHON, str(LIBRARY / "training_run.py"), payload))
+    command = f"PYTHONPATH={shlex.quote(str(REPO))} " + " ".join(
+        shlex.quote(a) for a in (VENV_PYTHON, str(MODULES / "training_run.py"), payload))
     done = fleet.ct(vmid, command, timeout=timeout)
     try:
         result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,8 +20,8 @@ from pvesim.sim import Sim, SimNode, inventory_data
 SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
 # Where host key checking could be turned off: Ansible's config, the inventories, the playbooks and
 # roles, the simulation, the scripts and the CI entry points.
-SCANNED = ["ansible.cfg", "Makefile", ".ci", "inventory", "playbooks", "roles", "pvesim", "scripts",
-           "tests/molecule"]
+SCANNED = ["ansible.cfg", "Makefile", ".ci", "inventory", "playbooks", "ansible_collections", "pvesim",
+           "scripts", "tests/molecule"]
 CHECKING_OFF = re.compile(
     r"StrictHostKeyChecking\s*[= ]\s*(no|off|accept-new)\b|UserKnownHostsFile\s*[= ]\s*/dev/null"
     r"|host_key_checking\s*[:=]\s*[\"']?(false|no|off|0)\b|HOST_KEY_CHECKING\s*[:=]\s*[\"']?(false|no|off|0)\b"
@@ -131,8 +131,7 @@ def test_the_sudo_rule_grants_pct_and_nothing_else():
     assert rules[0] in (SUDOERS.parents[1] / "README.md").read_text()
 
 
-NODE_TASK_FILES = sorted((REPO / "roles" / "proxmox_host" / "tasks").glob("*.yml")) + [
-    REPO / "playbooks" / "tasks" / "node_check.yml"]
+PROXMOX_HOST = REPO / "ansible_collections" / "dflash" / "ops" / "roles" / "proxmox_host"
 
 
 def render(expression, variables):
@@ -143,29 +142,32 @@ def render(expression, variables):
 
 
 def test_the_node_checks_run_nothing_but_pct_as_root():
-    """The node checks (the proxmox_host role and the playbooks' node_check.yml) run no command of their
-    own: pct_container_check runs pct through its argv prefix alone (sudo -n /usr/sbin/pct for a non-root
-    user; tests/modules/test_pct_container_check.py), so the sudo rule above is all a non-root node user
-    needs. Both build that prefix with the same rule from the role's variables and defaults."""
-    checks = {}
-    for path in NODE_TASK_FILES:
+    """The node checks (the proxmox_host role, which the playbooks run) run no command of their own:
+    pct_container_check runs pct through its argv prefix alone (sudo -n /usr/sbin/pct when the node's user
+    is not root; tests/modules/test_pct_container_check.py), so the sudo rule above is all a non-root node
+    user needs."""
+    checks = []
+    for path in sorted((PROXMOX_HOST / "tasks").glob("*.yml")):
         for task in yaml.safe_load(path.read_text()) or []:
             ran = [m for m in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.raw",
                                "command", "shell", "raw") if m in task]
             assert not ran, f"{path.name}: {task['name']} runs {ran}"
-            if "pct_container_check" in task:
-                checks[path.name] = task["pct_container_check"]["pct_argv"]
-    assert set(checks) == {"main.yml", "node_check.yml"}, checks
-    role_vars = yaml.safe_load((REPO / "roles" / "proxmox_host" / "vars" / "main.yml").read_text())
-    assert checks["main.yml"] == "{{ __proxmox_host_pct_argv }}"
-    defaults = yaml.safe_load((REPO / "roles" / "proxmox_host" / "defaults" / "main.yml").read_text())
-    for inventory in ({}, {"ansible_user": "root"}, {"ansible_user": "ansible"},
-                      {"ansible_user": "ansible", "proxmox_host_pct_sudo": False},
-                      {"proxmox_host_pct_sudo": True, "proxmox_host_pct_path": "/opt/pve/pct"}):
-        role_argv = render(role_vars["__proxmox_host_pct_argv"], {**defaults, **inventory})
-        assert render(checks["node_check.yml"], inventory) == role_argv, inventory
-        sudo = inventory.get("proxmox_host_pct_sudo", inventory.get("ansible_user", "root") != "root")
-        assert role_argv == ["sudo", "-n"] * sudo + [inventory.get("proxmox_host_pct_path", "/usr/sbin/pct")]
+            if "dflash.ops.pct_container_check" in task:
+                checks.append(task["dflash.ops.pct_container_check"]["pct_argv"])
+                assert task["delegate_to"] == "{{ proxmox_host_node }}"
+    assert checks == ["{{ __proxmox_host_pct_argv }}"]
+    role_vars = yaml.safe_load((PROXMOX_HOST / "vars" / "main.yml").read_text())
+    defaults = yaml.safe_load((PROXMOX_HOST / "defaults" / "main.yml").read_text())
+    cases = (({}, {}), ({"ansible_user": "root"}, {}), ({"ansible_user": "ansible"}, {}),
+             ({"ansible_user": "ansible"}, {"proxmox_host_pct_sudo": False}),
+             ({}, {"proxmox_host_pct_sudo": True, "proxmox_host_pct_path": "/opt/pve/pct"}))
+    for node_vars, role_inventory in cases:
+        variables = {**defaults, "proxmox_vmid": 200, "proxmox_node": "pve1",
+                     "hostvars": {"pve1": node_vars}, **role_inventory}
+        role_argv = render(role_vars["__proxmox_host_pct_argv"], variables)
+        sudo = role_inventory.get("proxmox_host_pct_sudo", node_vars.get("ansible_user", "root") != "root")
+        path = role_inventory.get("proxmox_host_pct_path", "/usr/sbin/pct")
+        assert role_argv == ["sudo", "-n"] * sudo + [path], (node_vars, role_inventory)
     assert role_vars["__proxmox_host_pct_argv"] == (
         "{{ (['sudo', '-n'] if proxmox_host_pct_sudo | bool else []) + [proxmox_host_pct_path] }}")
 
@@ -180,6 +182,6 @@ def test_visudo_accepts_the_sudo_rule(tmp_path):
 
 
 def test_the_sudo_rule_names_the_path_the_roles_use():
-    defaults = yaml.safe_load((REPO / "roles" / "proxmox_host" / "defaults" / "main.yml").read_text())
+    defaults = yaml.safe_load((PROXMOX_HOST / "defaults" / "main.yml").read_text())
     assert defaults["proxmox_host_pct_path"] == "/usr/sbin/pct"
     assert Path(sudo_rules()[0].rsplit(None, 1)[1]) == Path(defaults["proxmox_host_pct_path"])

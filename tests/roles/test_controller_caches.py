@@ -1,4 +1,4 @@
-"""The controller's caches (release archives, wheels) stay bounded: beyond the most recently used
+"""The controller's cache of release archives stays bounded: beyond the most recently used
 entries, those unused for a day are removed; a use refreshes an entry; in-flight builds are left."""
 
 import importlib.util
@@ -17,8 +17,8 @@ def load(path):
     return module
 
 
-pack_release = load(REPO / "roles" / "dflash_release" / "files" / "pack_release.py")
-build_wheel = load(REPO / "roles" / "dflash_env" / "files" / "build_wheel.py")
+pack_release = load(REPO / "ansible_collections" / "dflash" / "ops" / "roles" / "dflash_release" / "files"
+                    / "pack_release.py")
 
 
 def aged(path, days):
@@ -63,15 +63,3 @@ def test_packing_refreshes_the_archive_it_uses_and_prunes_the_stale_ones(tmp_pat
     aged(first["archive"], days=3)
     other = pack_release.pack_all("rev", {"ct200": {**request, "files": {"config.yaml": "a: 2\n"}}})["ct200"]
     assert sorted(os.listdir(build)) == [f"{other['id']}.tar.gz", f"{other['id']}.tar.gz.b64"]
-
-
-def test_old_wheel_builds_beyond_the_newest_are_pruned_but_not_unfinished_ones(tmp_path):
-    for i in range(4):
-        (tmp_path / f"build{i}").mkdir()
-        (tmp_path / f"build{i}" / "x.whl").write_text("w")
-        aged(tmp_path / f"build{i}", days=i + 1)
-    (tmp_path / ".build-inflight").mkdir()
-    aged(tmp_path / ".build-inflight", days=9)
-    removed = build_wheel.prune(str(tmp_path), keep=1)
-    assert sorted(os.path.basename(p) for p in removed) == ["build1", "build2", "build3"]
-    assert sorted(os.listdir(tmp_path)) == [".build-inflight", "build0"]

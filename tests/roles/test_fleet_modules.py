@@ -1,34 +1,15 @@
-"""The helpers of the roles' own modules (dflash_env_venv, dflash_release_tree), on local files."""
+"""The helpers of the roles' modules (dflash.ops.dflash_env_venv, dflash.ops.dflash_release_tree), on local
+files."""
 
 import io
 import os
 import subprocess
 import sys
 import tarfile
-import zipfile
 
 import pytest
-from roles_support import REPO
 
-sys.path.insert(0, str(REPO / "roles" / "dflash_env" / "library"))
-sys.path.insert(0, str(REPO / "roles" / "dflash_release" / "library"))
-import dflash_env_venv  # noqa: E402
-import dflash_release_tree  # noqa: E402
-
-
-def wheel(version, files):
-    """A pure-Python wheel of `demo_pkg` with `files` ({path: text}) and a console script `demo-cli`."""
-    info = f"demo_pkg-{version}.dist-info"
-    members = dict(files)
-    members[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: demo-pkg\nVersion: {version}\n"
-    members[f"{info}/WHEEL"] = "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    members[f"{info}/entry_points.txt"] = "[console_scripts]\ndemo-cli = demo_pkg.cli:main\n"
-    members[f"{info}/RECORD"] = "".join(f"{name},," + "\n" for name in members) + f"{info}/RECORD,,\n"
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, text in members.items():
-            zf.writestr(name, text)
-    return buf.getvalue()
+from ansible_collections.dflash.ops.plugins.modules import dflash_env_venv, dflash_release_tree
 
 
 @pytest.fixture
@@ -41,40 +22,35 @@ def venv(tmp_path):
     return path, purelib
 
 
-def test_a_new_wheel_replaces_the_old_one_and_its_files_are_not_writable_by_others(venv):
+def test_a_build_of_the_project_an_earlier_version_installed_is_removed_file_by_file(venv):
+    """The venv holds dependencies only: the trainer's code comes with the release. A dflash_ops build that
+    an earlier version unpacked into the venv is removed (the files its RECORD lists, nothing else)."""
     path, purelib = venv
-    old = wheel("1.0", {"demo_pkg/__init__.py": "VERSION = 1\n", "demo_pkg/gone.py": "",
-                        "demo_pkg/cli.py": "def main():\n    print('cli 1')\n"})
-    new = wheel("2.0", {"demo_pkg/__init__.py": "VERSION = 2\n",
-                        "demo_pkg/cli.py": "def main():\n    print('cli 2')\n"})
-    os.umask(0o000)  # the module must not depend on the caller's umask
-    try:
-        dflash_env_venv.install_wheel(str(path), purelib, old, "demo_pkg-1.0-py3-none-any.whl")
-        os.umask(0o022)
-        assert os.path.exists(os.path.join(purelib, "demo_pkg", "gone.py"))
-        dflash_env_venv.install_wheel(str(path), purelib, new, "demo_pkg-2.0-py3-none-any.whl")
-    finally:
-        os.umask(0o022)
-    # The old build's files and dist-info are gone; the new one imports and its script runs.
-    assert not os.path.exists(os.path.join(purelib, "demo_pkg", "gone.py"))
-    installed = sorted(e for e in os.listdir(purelib) if e.startswith("demo_pkg"))
-    assert installed == ["demo_pkg", "demo_pkg-2.0.dist-info"]
-    code = "import importlib.metadata as m, demo_pkg; print(m.version('demo-pkg'), demo_pkg.VERSION)"
-    out = subprocess.run([str(path / "bin" / "python"), "-c", code], capture_output=True, text=True)
-    assert out.stdout.split() == ["2.0", "2"]
-    cli = subprocess.run([str(path / "bin" / "demo-cli")], capture_output=True, text=True)
-    assert cli.stdout == "cli 2\n"
-    for root, _dirs, files in os.walk(os.path.join(purelib, "demo_pkg")):
-        for name in files:
-            assert os.stat(os.path.join(root, name)).st_mode & 0o022 == 0, name
-
-
-def test_a_wheel_with_a_path_outside_site_packages_is_refused(venv):
-    path, purelib = venv
-    with pytest.raises(ValueError, match="outside site-packages"):
-        dflash_env_venv.install_wheel(str(path), purelib, wheel("1.0", {"../escape.py": ""}),
-                                      "demo_pkg-1.0-py3-none-any.whl")
-    assert not os.path.exists(os.path.join(os.path.dirname(purelib), "escape.py"))
+    info = os.path.join(purelib, "dflash_ops-0.1.0.dist-info")
+    os.makedirs(os.path.join(purelib, "dflash"))
+    os.makedirs(info)
+    files = {"dflash/__init__.py": "", "dflash/train.py": "", "../../../bin/pvesim": "#!/bin/sh\n"}
+    for rel, text in files.items():
+        with open(os.path.normpath(os.path.join(purelib, rel)), "w") as fh:
+            fh.write(text)
+    with open(os.path.join(info, "RECORD"), "w") as fh:
+        fh.write("".join(f"{rel},," + "\n" for rel in files) + "dflash_ops-0.1.0.dist-info/RECORD,,\n"
+                 + "../../../../outside-the-venv,,\n")
+    outside = os.path.normpath(os.path.join(purelib, "../../../../outside-the-venv"))
+    with open(outside, "w") as fh:
+        fh.write("")
+    kept = os.path.join(purelib, "torch_stand_in.py")
+    with open(kept, "w") as fh:
+        fh.write("")
+    assert dflash_env_venv.installed_records(purelib, "dflash_ops") == [info]
+    dflash_env_venv.remove_install(str(path), purelib, info)
+    assert not os.path.exists(os.path.join(purelib, "dflash"))
+    assert not os.path.exists(info)
+    assert not os.path.exists(os.path.join(str(path), "bin", "pvesim"))
+    assert os.path.exists(kept)
+    assert dflash_env_venv.installed_records(purelib, "dflash_ops") == []
+    # A RECORD line pointing outside the venv is never followed.
+    assert os.path.exists(outside)
 
 
 def archive(entries):

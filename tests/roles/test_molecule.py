@@ -7,6 +7,7 @@ from roles_support import REPO, VENV_BIN, ansible_env, prepare_assets
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
+ROLES_DIR = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
 ROLES = ["proxmox_host", "dflash_env", "dflash_release", "dflash_run"]
 
 
@@ -15,7 +16,7 @@ def test_molecule_default_scenario(role):
     prepare_assets()
     env = ansible_env()
     env.pop("ANSIBLE_CONFIG")  # molecule writes its own ansible.cfg for the scenario
-    res = subprocess.run([str(VENV_BIN / "molecule"), "test"], cwd=REPO / "roles" / role, env=env,
+    res = subprocess.run([str(VENV_BIN / "molecule"), "test"], cwd=ROLES_DIR / role, env=env,
                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     output = res.stdout + res.stderr
     assert res.returncode == 0, output[-6000:]

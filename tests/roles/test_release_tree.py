@@ -1,6 +1,6 @@
 """dflash_release_tree run the way Ansible runs a module (a JSON file of arguments, JSON on stdout), on
 local directories, with real release archives packed by the role's pack_release.py and validated by
-the trainer's own `python -m dflash.config validate`; and its documentation against its argument spec."""
+the trainer's own `python -m dflash.config validate` (its documentation: test_module_docs.py)."""
 
 import base64
 import importlib.util
@@ -11,10 +11,11 @@ import sys
 
 import pytest
 import yaml
-from roles_support import REPO, VENV_BIN
+from roles_support import REPO
 
-ROLE = REPO / "roles" / "dflash_release"
-TREE = ROLE / "library" / "dflash_release_tree.py"
+COLLECTION = REPO / "ansible_collections" / "dflash" / "ops"
+ROLE = COLLECTION / "roles" / "dflash_release"
+TREE = COLLECTION / "plugins" / "modules" / "dflash_release_tree.py"
 
 
 def load(path):
@@ -228,28 +229,3 @@ def test_containers_that_render_the_same_files_share_one_release_packed_once(tmp
                                                for ext in ("", ".b64"))
     with open(packed["ct202"]["archive_b64"]) as fh:
         assert base64.b64decode(fh.read()) == open(packed["ct202"]["archive"], "rb").read()
-
-
-def ansible_doc(*args):
-    proc = subprocess.run([str(VENV_BIN / "ansible-doc"), "-M", str(TREE.parent), *args],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr
-    return proc.stdout
-
-
-def test_the_documentation_renders_and_matches_the_argument_spec():
-    text = ansible_doc("dflash_release_tree").replace("\x1b[1m", "").replace("\x1b[0m", "")
-    assert "MODULE dflash_release_tree" in text and "RETURN VALUES" in text
-    doc = json.loads(ansible_doc("--json", "dflash_release_tree"))["dflash_release_tree"]
-    spec = dflash_release_tree.ARGUMENT_SPEC
-    assert set(doc["doc"]["options"]) == set(spec)
-    for option, rules in spec.items():
-        documented = doc["doc"]["options"][option]
-        for key in ("type", "default", "choices", "elements"):
-            assert documented.get(key) == rules.get(key), (option, key)
-        assert bool(documented.get("required")) == bool(rules.get("required")), option
-    assert doc["doc"]["attributes"]["check_mode"]["support"] == "full"
-    assert set(doc["return"]) == RETURNED
-    examples = yaml.safe_load(dflash_release_tree.EXAMPLES)
-    assert [task for task in examples if "dflash_release_tree" in task]

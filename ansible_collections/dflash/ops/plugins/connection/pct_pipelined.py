@@ -9,6 +9,8 @@
 #
 # Pipelining needs a channel without a PTY (a PTY would echo and line-edit the module on stdin), so
 # `pty` defaults to false here. `pct exec` as root, or through a NOPASSWD sudo rule, needs none.
+# Plugins keep their imports below the documentation block; its option lines are the collection's.
+# ruff: noqa: E402, E501
 from __future__ import annotations
 
 # The options are the collection's (community.proxmox 1.4.0, proxmox_pct_remote), with `pipelining` added
@@ -279,10 +281,6 @@ version_added: 0.2.0
 
 from ansible.errors import AnsibleConnectionFailure
 from ansible_collections.community.proxmox.plugins.connection import proxmox_pct_remote as upstream
-
-
-
-
 
 
 class Connection(upstream.Connection):

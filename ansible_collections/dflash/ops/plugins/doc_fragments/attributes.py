@@ -11,7 +11,8 @@ attributes:
   check_mode:
     description: Can run in check_mode and return changed status prediction without modifying target.
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
+    description:
+      Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   platform:
     description: Target OS/families that can be operated against.

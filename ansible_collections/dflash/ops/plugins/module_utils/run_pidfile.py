@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from stat import S_IMODE, S_ISLNK, S_ISREG, S_ISVTX
 from typing import NamedTuple
 
-from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_stat
+from ansible_collections.dflash.ops.plugins.module_utils.run_proc import is_alive, read_stat
 
 
 class RunError(Exception):

@@ -11,7 +11,7 @@ module: dflash_env_venv
 short_description: Ensure the trainer's venv and the path file to its dependencies, in one call
 description:
   - Everything the dflash_env role decides on in the container, in one round trip. Creates the venv
-    when it is missing (C(python -m venv --without-pip): no ensurepip, whose run costs seconds of
+    when it is missing (C(python -m venv --without-pip); no ensurepip, whose run costs seconds of
     CPU in every container; a venv that has pip keeps it), writes the C(.pth) file that adds O(site_packages),
     and reports which of O(check_imports) the venv does not find.
   - The venv holds the trainer's dependencies only. The trainer's code comes from the release
@@ -123,16 +123,16 @@ def installed_records(purelib, name):
                   if e.endswith(".dist-info") and e.split("-", 1)[0].lower() == name.lower())
 
 
-def remove_install(purelib, dist_info):
+def remove_install(venv, purelib, dist_info):
     """Remove the files an install's RECORD lists (inside the venv only), its dist-info, and directories
     left empty."""
-    venv_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(purelib))))
+    venv_root, purelib = os.path.realpath(venv), os.path.realpath(purelib)
     dirs = set()
     for line in read(os.path.join(dist_info, "RECORD")).splitlines():
         rel = line.rsplit(",", 2)[0] if line else ""
         if not rel:
             continue
-        path = os.path.normpath(os.path.join(purelib, rel))
+        path = os.path.realpath(os.path.join(purelib, rel))
         if not path.startswith(venv_root + os.sep):
             continue
         if os.path.isfile(path) or os.path.islink(path):
@@ -187,7 +187,7 @@ def main():
         actions.append("old-build")
         if not check:
             for dist_info in old_builds:
-                remove_install(purelib, dist_info)
+                remove_install(venv, purelib, dist_info)
             if os.path.exists(os.path.join(venv, OLD_MARKER)):
                 os.unlink(os.path.join(venv, OLD_MARKER))
 

@@ -74,7 +74,7 @@ options:
 
 EXAMPLES = r"""
 - name: Ensure the release is live (unpacked and validated first when it is new).
-  dflash_release_tree:
+  dflash.ops.dflash_release_tree:
     root: /opt/dflash
     release: /opt/dflash/releases/0123456789ab
     content: "{{ lookup('ansible.builtin.file', '/tmp/0123456789ab.tar.gz.b64') }}"
@@ -90,7 +90,7 @@ EXAMPLES = r"""
     fail_msg: "{{ release.validation.stderr }}"
 
 - name: Go back to the previous release (validated again first).
-  dflash_release_tree:
+  dflash.ops.dflash_release_tree:
     state: previous
     root: /opt/dflash
     validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]

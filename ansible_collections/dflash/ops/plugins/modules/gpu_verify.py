@@ -70,20 +70,20 @@ notes:
 
 EXAMPLES = r"""
 - name: Ensure GPUs 0 and 1 are idle before the run starts.
-  gpu_verify:
+  dflash.ops.gpu_verify:
     expect: idle
     gpus: [0, 1]
     timeout: 60
 
 - name: Ensure the run holds its GPUs.
-  gpu_verify:
+  dflash.ops.gpu_verify:
     expect: busy
     gpus: [0, 1]
     timeout: 120
     interval: 5
 
 - name: Find which container holds each GPU (on the Proxmox node).
-  gpu_verify:
+  dflash.ops.gpu_verify:
     expect: any
   delegate_to: "{{ proxmox_node }}"
   register: node_gpus

@@ -72,14 +72,14 @@ notes:
 
 EXAMPLES = r"""
 - name: Check the container on its Proxmox node.
-  pct_container_check:
+  dflash.ops.pct_container_check:
     vmid: "{{ proxmox_vmid }}"
     node_name: "{{ proxmox_node }}"
     required_gpus: [0, 1, 2, 3, 4, 5, 6, 7]
   delegate_to: "{{ proxmox_node }}"
 
 - name: Ensure CT 200 runs, starting it if stopped, as a non-root node user.
-  pct_container_check:
+  dflash.ops.pct_container_check:
     vmid: 200
     pct_argv: [sudo, -n, /usr/sbin/pct]
     start_stopped: true

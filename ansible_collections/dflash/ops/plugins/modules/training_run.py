@@ -113,7 +113,7 @@ notes:
 
 EXAMPLES = r"""
 - name: Ensure the training run is started.
-  training_run:
+  dflash.ops.training_run:
     name: main
     command: [/opt/dflash/current/run.sh]
     chdir: /opt/dflash/current
@@ -121,7 +121,7 @@ EXAMPLES = r"""
       CUDA_VISIBLE_DEVICES: "0,1"
 
 - name: Restart the run if it is still the one inspected, and wait for its first step.
-  training_run:
+  dflash.ops.training_run:
     name: main
     state: restarted
     command: [/opt/dflash/current/run.sh]
@@ -130,7 +130,7 @@ EXAMPLES = r"""
     environment_file: /var/lib/dflash/main.env
 
 - name: Ensure the training run is stopped (it checkpoints on SIGTERM).
-  training_run:
+  dflash.ops.training_run:
     name: main
     state: stopped
     stop_timeout: 300
@@ -213,9 +213,9 @@ import os
 import re
 
 from ansible.module_utils.basic import AnsibleModule
+
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     RunError,
-    Unreadable,
     describe,
     inspect,
     pidfile_lock,
