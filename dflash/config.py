@@ -183,7 +183,9 @@ class PipelineConfig(_Section):
         for key in ("target_gpus", "drafter_gpus"):
             self._require(all(g >= 0 for g in getattr(self, key)), key, "GPU indices must be >= 0")
         overlap = set(self.target_gpus) & set(self.drafter_gpus)
-        self._require(not overlap, "drafter_gpus", f"shares GPUs {sorted(overlap)} with target_gpus")
+        self._require(not overlap, "drafter_gpus",
+                      f"shares GPUs {sorted(overlap)} with target_gpus (each GPU runs either a target worker "
+                      f"or a drafter worker: list it in one of the two lists only)")
         self._require(self.target_workers >= 0, "target_workers", "must be >= 0")
         self._require(self.drafter_workers >= 0, "drafter_workers", "must be >= 0")
         self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")

@@ -108,7 +108,7 @@ CASES = [
          words=("YAML parsing failed: Tabs are usually invalid in YAML", "vars.yml:2:1")),
     Case("A container without the connection settings", RESTART, CT200, no_connection_settings,
          own_inventory_gone,
-         words=("ct200: a training container needs ansible_connection: pct_pipelined",
+         words=("ct200: a training container needs ansible_connection: dflash.ops.pct_pipelined",
                 'ansible_connection is "unset"')),
     Case("A `proxmox_vmid` that is not a number", RESTART, CT200 + ("-e", "proxmox_vmid=ct200"),
          words=("needs proxmox_vmid, its numeric CT id", 'proxmox_vmid is "ct200"')),
@@ -118,10 +118,6 @@ CASES = [
          words=("dflash_run_stop_timeout", "int", "Fix the value in the inventory")),
     Case("A misspelt role variable", RESTART, CT200 + ("-e", "dflash_run_stop_timout=600"),
          words=("dflash_run_stop_timout is not a variable of any role", "Fix its name"), fast=True),
-    Case("Target and drafter GPU lists that overlap", RESTART,
-         CT200 + extra(dflash_release_device="cuda", dflash_release_target_gpus=[0, 1, 2],
-                       dflash_release_drafter_gpus=[2, 3]),
-         words=("share GPU(s) [2]", "list each GPU in one of the two lists only"), fast=True),
     # The node: checked on the node (and in the container through pct) before the container is touched.
     Case("A `proxmox_vmid` that does not exist on the node", RESTART, CT200 + ("-e", "proxmox_vmid=299"),
          words=("CT 299 does not exist on node pve1", "Fix proxmox_vmid", "the node has 200, 201")),
@@ -139,7 +135,13 @@ CASES = [
          CT200 + extra(dflash_release_device="cuda", dflash_release_target_gpus=[0, 1, 2, 3, 4],
                        dflash_release_drafter_gpus=[5, 6, 7, 8]),
          words=("CT 200 on node pve1 has 8 GPU(s)", "names GPU(s) [8]", "Fix the layout")),
-    # The release: validated in the container by the trainer before the switch.
+    # The release: validated in the container by the trainer before the switch; the trainer names the key
+    # (validate --json), the role the inventory variable that sets it.
+    Case("Target and drafter GPU lists that overlap", RESTART,
+         CT200 + extra(dflash_release_device="cuda", dflash_release_target_gpus=[0, 1, 2],
+                       dflash_release_drafter_gpus=[2, 3]),
+         words=("pipeline.drafter_gpus: shares GPUs [2] with target_gpus", "list it in one of the two lists only",
+                "Fix dflash_release_drafter_gpus"), fast=True),
     Case("An unknown key in the training config", RESTART,
          CT200 + extra(dflash_release_settings={"run": {"save_evry": 10}}),
          words=("run: unknown key(s) save_evry", "Fix dflash_release_settings.run")),
