@@ -1,3 +1,6 @@
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+#
 # community.proxmox.proxmox_pct_remote with pipelining: one `pct exec` per module call instead of five.
 #
 # The collection's connection already passes stdin through `pct exec` (its put_file is

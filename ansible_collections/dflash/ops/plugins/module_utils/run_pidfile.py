@@ -27,7 +27,6 @@ class RunError(Exception):
         self.result = result
 
 
-
 class Unreadable(NamedTuple):
     """A pidfile this module cannot trust the content of: stale, never acted on."""
     problem: str

@@ -28,7 +28,6 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_stop import POLL_SE
 LOG_TAIL_BYTES = 4096
 
 
-
 def resolve_program(argv0, chdir, env):
     """Where exec will find argv[0], or None: checked before anything running is touched."""
     if "/" in argv0:

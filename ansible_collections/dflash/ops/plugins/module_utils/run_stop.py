@@ -20,7 +20,6 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_proc import (
 POLL_SECONDS = 0.2
 
 
-
 def group_is_the_runs(table, record):
     """Whether the recorded process-group id still names the run's group. The id is the leader's
     pid, which the kernel keeps while any member lives; it names another group only if a new

@@ -27,7 +27,7 @@ description:
   - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
     all owned by the module's user; links, devices and paths outside the directory are refused.
 version_added: "0.1.0"
-author: dflash-ops contributors
+author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
 attributes:

@@ -23,7 +23,7 @@ description:
     node (C(delegate_to)), each process is mapped to its container through C(/proc/<pid>/cgroup).
   - Always read-only.
 version_added: "0.1.0"
-author: dflash-ops contributors
+author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
 attributes:
@@ -370,7 +370,7 @@ def render_table(gpus, processes, max_memory_mib):
         lines.append("  (no GPU listed)")
     for gpu in gpus:
         count = sum(1 for p in processes if p["gpu_uuid"] is not None and p["gpu_uuid"] == gpu["uuid"])
-        busy, _ = gpu_load(gpu, processes, max_memory_mib)
+        busy = gpu_load(gpu, processes, max_memory_mib)[0]
         memory = f"{show(gpu['memory_used_mib'])}/{show(gpu['memory_total_mib'])}"
         lines.append(f"{show(gpu['index']):>3}  {memory:>18}  {show(gpu['utilization_pct']):>5}  "
                      f"{count:>5}  {'busy' if busy else 'idle':<5}  {show(gpu['name'])}")
@@ -389,7 +389,7 @@ def render_table(gpus, processes, max_memory_mib):
 def run_nvidia_smi(executable, query):
     """stdout of one query, or None when nvidia-smi lists no device; raises NvidiaSmiError with the cause."""
     try:
-        proc = subprocess.run([executable, query, CSV_FORMAT], capture_output=True, text=True,
+        proc = subprocess.run([executable, query, CSV_FORMAT], capture_output=True, text=True, check=False,
                               timeout=NVIDIA_SMI_TIMEOUT, env=dict(os.environ, LC_ALL="C"))
     except subprocess.TimeoutExpired:
         raise NvidiaSmiError(f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT}s ({query})") from None

@@ -27,7 +27,7 @@ description:
   - The fixes it names are dflash-ops' inventory variables (C(proxmox_host_start_containers),
     C(dflash_run_verify_gpus), the GPU layout variables).
 version_added: "0.1.0"
-author: dflash-ops contributors
+author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
 attributes:
@@ -240,7 +240,7 @@ class Pct:
     def answer(self, args, timeout=READ_TIMEOUT):
         argv = self.argv + [str(arg) for arg in args]
         try:
-            proc = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace",
+            proc = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace", check=False,
                                   timeout=timeout, stdin=subprocess.DEVNULL, env=dict(os.environ, LC_ALL="C"))
         except subprocess.TimeoutExpired:
             raise CheckFailed(f"{' '.join(argv)} did not answer within {timeout} s on node {self.node}"

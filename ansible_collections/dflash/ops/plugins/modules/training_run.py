@@ -26,7 +26,7 @@ description:
   - A pidfile that is not a regular file, not owned by the module's user, writable by other users,
     or in a directory every user can write to, is never trusted; every state but V(status) fails.
 version_added: "0.1.0"
-author: dflash-ops contributors
+author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
 attributes:
@@ -166,17 +166,17 @@ how:
   choices: [terminated, killed, already_stopped, stale_pidfile]
 seconds:
   description: Seconds the stop took.
-  returned: with O(how)
+  returned: with RV(how)
   type: float
 signalled:
   description: Pids that were sent SIGTERM or SIGKILL.
-  returned: with O(how)
+  returned: with RV(how)
   type: list
   elements: int
 processes:
   description: Pids of the run seen during the stop (process group members and descendants of
     the recorded pid, including those started after SIGTERM); none of them is left.
-  returned: with O(how)
+  returned: with RV(how)
   type: list
   elements: int
 previous_pid:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Pack the releases of a batch of containers (the trainer's code, each one's rendered files and REVISION)
 into tar.gz archives on the controller, in one process.
 
