@@ -33,10 +33,14 @@ test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecu
 test-reliability: setup ## The full reliability suite (randomised trials at the counts the README reports).
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
-lint: setup ## ruff, yamllint and ansible-lint (production profile).
-	$(VENV)/bin/ruff check dflash pvesim library connection_plugins tests benchmarks
+# ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
+# ansible-test sanity runs each test in a virtualenv of its pinned requirements, from the package index.
+lint: setup ## ruff, yamllint, ansible-lint (production profile), ansible-test sanity on dflash.ops.
+	$(VENV)/bin/ruff check dflash pvesim ansible_collections tests benchmarks scripts
 	$(VENV)/bin/yamllint -s .
-	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --profile production playbooks roles
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --offline --profile production \
+	  playbooks ansible_collections/dflash/ops/roles
+	$(PY) scripts/ansible_test_sanity.py
 
 bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.
 	$(PY) -m benchmarks
