@@ -87,9 +87,11 @@ def overlaps(samples):
 def test_two_restarts_at_once_leave_one_run_and_never_two(fleet):
     rng, seed = rng_for("concurrent restarts")
     ensure_runs(fleet, [VMID], live=True)
-    count = trials(1, 6)
-    # Half the trials start both at the same instant, the others the second 0.5-4 s after the first.
-    offsets = [0.0 if i % 2 == 0 else round(rng.uniform(0.5, 4.0), 1) for i in range(count)]
+    count = trials(1, 30)
+    # The second playbook starts 0 to 5 s after the first, spread evenly over that range (one offset drawn
+    # in each of `count` equal slices): the first one's inventory checks, its stop, its wait for idle GPUs
+    # and its start all fall in it, so the later play inspects the run in every phase of the earlier one.
+    offsets = [round(5.0 * (i + rng.random()) / count, 1) for i in range(count)]
     rng.shuffle(offsets)
     tally, problems = {"ok": 0, "clear": 0, "unclear": 0}, []
     for number, offset in enumerate(offsets, 1):

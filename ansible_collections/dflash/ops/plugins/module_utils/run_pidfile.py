@@ -27,6 +27,10 @@ class RunError(Exception):
         self.result = result
 
 
+# How a concurrent change is named in messages (a second playbook, or an operator).
+CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
+
+
 class Unreadable(NamedTuple):
     """A pidfile this module cannot trust the content of: stale, never acted on."""
     problem: str
@@ -191,3 +195,44 @@ def pidfile_lock(pidfile, enabled):
         yield
     finally:
         os.close(lock_fd)
+
+
+def check_expected(name, pidfile, expected, record, verdict, consequence):
+    """Optimistic concurrency: `expected` is the run this play inspected or started (0: none; None: no
+    check). A live run with another pid means somebody else started one since; a pidfile gone while a run
+    was expected means somebody stopped it. Raises RunError naming that run (its pid and release)."""
+    if expected is None:
+        return
+    if verdict == "absent" and expected:
+        # Only a stop removes a pidfile (a run that dies leaves a stale one): somebody stopped it.
+        raise RunError(f"run {name} changed under this deploy: expected pid {expected}, but its pidfile "
+                       f"{pidfile} is gone: {CHANGED_UNDER}. {consequence}; rerun to act on the run as it "
+                       f"is now.")
+    if verdict != "live" or record["pid"] == expected:
+        return
+    what = f"pid {expected}" if expected else "no run"
+    raise RunError(f"run {name} changed under this deploy: expected {what}, found a live run "
+                   f"({describe(record)}): {CHANGED_UNDER}. {consequence}; rerun to act on the run as it "
+                   f"is now.", **running_result(record))
+
+
+def confirm_run(name, pidfile, expected, consequence):
+    """check_expected under the pidfile's lock, for a step that does not change the run (a GPU wait).
+    It never waits for the lock: one held by another invocation is another deploy changing the run now."""
+    try:
+        lock_fd = os.open(pidfile + ".lock", os.O_RDWR)
+    except FileNotFoundError:  # no run was ever started through this pidfile
+        lock_fd = None
+    try:
+        if lock_fd is not None:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunError(f"run {name} is being changed by another deploy (or an operator) right now "
+                               f"(its lock {pidfile}.lock is held). {consequence}; rerun to act on the run "
+                               f"as it is now.") from None
+        record, verdict, _unsafe = inspect(pidfile)
+        check_expected(name, pidfile, expected, record, verdict, consequence)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)

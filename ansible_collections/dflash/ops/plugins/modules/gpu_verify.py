@@ -64,6 +64,21 @@ options:
     description: The nvidia-smi program, a name looked up in C(PATH) or a path.
     type: str
     default: nvidia-smi
+  run_pidfile:
+    description:
+      - The pidfile of the run whose GPUs these are (see M(dflash.ops.training_run)). With
+        O(run_expect_pid), every poll first checks, under the pidfile's lock, that the run is still
+        the one the play expects, and fails at once (naming the run that holds the pidfile, its pid
+        and release) when another deploy has started or stopped one meanwhile, or holds the lock now.
+    type: path
+  run_name:
+    description: The run's name in messages.
+    type: str
+    default: main
+  run_expect_pid:
+    description: The pid of the run the play expects in O(run_pidfile); V(0) for no run (the wait for idle
+      GPUs after a stop). Without it the pidfile is not checked.
+    type: int
 notes:
   - Driver errors fail at once without polling; they do not clear up by waiting.
 """
@@ -137,6 +152,8 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, confirm_run
+
 ARGUMENT_SPEC = dict(
     expect=dict(type="str", default="any", choices=["idle", "busy", "present", "any"]),
     gpus=dict(type="list", elements="int"),
@@ -145,6 +162,9 @@ ARGUMENT_SPEC = dict(
     timeout=dict(type="float", default=0),
     interval=dict(type="float", default=2),
     executable=dict(type="str", default="nvidia-smi"),
+    run_pidfile=dict(type="path"),
+    run_name=dict(type="str", default="main"),
+    run_expect_pid=dict(type="int"),
 )
 GPU_QUERY = "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu"
 APPS_QUERY = "--query-compute-apps=pid,gpu_uuid,used_memory"
@@ -443,7 +463,12 @@ def main():
     deadline = began + p["timeout"]
     while True:
         try:
+            if p["run_pidfile"] and p["run_expect_pid"] is not None:
+                confirm_run(p["run_name"], p["run_pidfile"], p["run_expect_pid"],
+                            "Stopped waiting for the GPUs")
             gpus, processes = observe(executable, map_vmids)
+        except RunError as exc:
+            module.fail_json(msg=str(exc), changed=False, polls=polls, **exc.result)
         except NvidiaSmiError as exc:
             module.fail_json(msg=str(exc), changed=False, polls=polls)
         polls += 1

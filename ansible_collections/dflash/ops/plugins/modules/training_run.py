@@ -216,6 +216,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     RunError,
+    check_expected,
     describe,
     inspect,
     pidfile_lock,
@@ -230,10 +231,6 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     start_run,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
-
-# How a concurrent change is named in messages (a second playbook, or an operator).
-CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
-
 
 ARGUMENT_SPEC = dict(
     name=dict(type="str", required=True),
@@ -251,25 +248,6 @@ ARGUMENT_SPEC = dict(
     expect_pid=dict(type="int"),
     environment_file=dict(type="path"),
 )
-
-
-def check_expected(params, record, verdict):
-    """Optimistic concurrency: `expect_pid` is the run this play inspected (0: none). A live run with
-    another pid means somebody else started one since; nothing may be signalled or started."""
-    expected = params["expect_pid"]
-    if expected is None:
-        return
-    if verdict == "absent" and expected:
-        # Only a stop removes a pidfile (a run that dies leaves a stale one): somebody stopped it.
-        raise RunError(f"run {params['name']} changed under this deploy: expected pid {expected}, but its "
-                       f"pidfile {params['pidfile']} is gone: {CHANGED_UNDER}. Nothing was signalled or "
-                       f"started; rerun to act on the run as it is now.")
-    if verdict != "live" or record["pid"] == expected:
-        return
-    what = f"pid {expected}" if expected else "no run"
-    raise RunError(f"run {params['name']} changed under this deploy: expected {what}, found a live run "
-                   f"({describe(record)}): {CHANGED_UNDER}. Nothing was signalled or started; rerun to act "
-                   f"on the run as it is now.", **running_result(record))
 
 
 def do_stop(module, record, verdict):
@@ -314,7 +292,8 @@ def apply_state(module, env):
                        f"process, so it is not trusted and nothing was signalled or started. Check who "
                        f"changed it, then make it root-owned and not writable by others (chmod 0644) or "
                        f"remove it.", pidfile_unsafe=unsafe)
-    check_expected(params, record, verdict)
+    check_expected(params["name"], params["pidfile"], params["expect_pid"], record, verdict,
+                   "Nothing was signalled or started")
 
     if state == "stopped":
         result = stopped_result(record, verdict)
