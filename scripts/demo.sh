@@ -37,7 +37,7 @@ SRC="$PWD/.demo/src"
 rm -rf "$SRC" && mkdir -p "$SRC"
 cp -r pyproject.toml dflash "$SRC"/ && { [ ! -f README.md ] || cp README.md "$SRC"/; }
 find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
-play() { ansible-playbook -i "$INVENTORY" -e "dflash_env_project_dir=$SRC" -e "dflash_release_source_dir=$SRC/dflash" "$@"; }
+play() { ansible-playbook -i "$INVENTORY" -e "dflash_release_source_dir=$SRC/dflash" "$@"; }
 in_ct() { on_node pve1 pct exec 200 -- "$@"; }
 
 step "Prepare the demo target model and data (a tiny Qwen3 trained on the standard library; cached)"
