@@ -69,6 +69,12 @@ step "A code change (in the demo's copy of the trainer)"
 printf '\n# Demo change: deployed by restart_training.yml at %s\n' "$(date -u +%FT%TZ)" >> "$SRC/dflash/train.py"
 tail -n 2 "$SRC/dflash/train.py"
 
+step "restart_training.yml --check --diff: what it would do (a new release, a stop, a start); nothing changes"
+play playbooks/restart_training.yml --check --diff | grep -E '^(changed|ok: \[ct200\] => \{|    "msg")' | tail -n 6
+read -r same_pid _ < <(pidfile)
+[ "$same_pid" = "$old_pid" ] || { echo "check mode touched the run ($old_pid -> $same_pid)!"; exit 1; }
+echo "the run is still pid $old_pid on $(in_ct readlink /opt/dflash/current)"
+
 step "restart_training.yml: validate the new release, stop (checkpoint), GPUs idle, start from it, health check"
 time play playbooks/restart_training.yml
 
