@@ -14,9 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roles_support import REPO, VENV_BIN
-
 from pvesim import procs
+from pvesim.fleet import REPO, VENV_BIN
 
 VMID = 200
 RELEASES = "/opt/dflash/releases"

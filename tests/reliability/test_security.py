@@ -12,9 +12,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 from input_support import REPO
-from roles_support import VENV_BIN, ansible_env
 
 from pvesim import host
+from pvesim.fleet import VENV_BIN, ansible_env
 from pvesim.sim import Sim, SimNode, inventory_data
 
 SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
