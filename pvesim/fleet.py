@@ -45,6 +45,9 @@ HOST_RESULTS = {
 }
 TASK_STARTS = ("playbook_on_task_start", "playbook_on_handler_task_start")
 # playbook_on_stats keys -> the per-host recap's names.
+# ansible-runner runs Ansible on a pty, where ssh (or paramiko) would ask about an unknown host key and
+# wait; the answer is no, so the run fails at once, as it does with no terminal.
+UNKNOWN_HOST_KEY = {r"continue connecting \(yes/no[^)]*\)\?": "no"}
 RECAP = {"ok": "ok", "changed": "changed", "failures": "failures", "dark": "unreachable",
          "skipped": "skipped", "rescued": "rescued", "ignored": "ignored"}
 
@@ -207,7 +210,8 @@ def _run(keep_dir, timeout, envvars, **kwargs):
     env = {"ANSIBLE_HOST_KEY_CHECKING": "True", **ansible_settings(**(envvars or {}))}
     try:
         runner = ansible_runner.run(private_data_dir=str(private), envvars=env, timeout=timeout, quiet=True,
-                                    fact_cache_type="memory", suppress_env_files=True, **kwargs)
+                                    passwords=UNKNOWN_HOST_KEY, fact_cache_type="memory",
+                                    suppress_env_files=True, **kwargs)
         stdout = runner.stdout.read()
         return PlayResult.from_events(runner.rc, runner.status, list(runner.events), stdout)
     finally:
