@@ -25,7 +25,7 @@ def test_inventory_puts_containers_behind_the_pct_connection(sim, run_ansible):
     assert sorted(inv["training_containers"]["hosts"]) == ["ct200", "ct201", "ct202", "ct203"]
     ct202 = inv["_meta"]["hostvars"]["ct202"]
     pve2 = sim.node("pve2")
-    assert ct202["ansible_connection"] == "pct_pipelined"
+    assert ct202["ansible_connection"] == "dflash.ops.pct_pipelined"
     assert (ct202["ansible_host"], ct202["ansible_port"]) == (pve2.address, pve2.port)
     assert ct202["proxmox_vmid"] == 202
     assert ct202["pvesim_node"] == "pve2"
