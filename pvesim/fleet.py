@@ -13,12 +13,14 @@ dir (removed afterwards unless the caller names one to keep), whatever the calle
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -265,6 +267,18 @@ class Fleet:
                             keep_dir=self.base / "last-play",
                             extravars={"dflash_release_source_dir": str(self.src / "dflash")},
                             envvars={"DFLASH_SIM_ASSETS": str(self.assets)})
+
+    @property
+    def build_dir(self):
+        """Where the controller keeps the release archives it built (dflash_release_build_dir's default:
+        next to the source it was given)."""
+        return self.src / ".cache" / "releases"
+
+    def release_files(self, release_id):
+        """{path in the release: sha256} of the archive the controller built for `release_id`."""
+        with tarfile.open(self.build_dir / f"{release_id}.tar.gz") as tar:
+            return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+                    for m in tar.getmembers() if m.isfile()}
 
     def ct(self, vmid, command, timeout=60):
         """Run a shell command inside a container, through its node and pct."""
