@@ -124,7 +124,7 @@ class TaskRun:
         return [host for host, result in self.hosts.items() if not result.get("skipped")]
 
 
-@dataclass
+@dataclass(repr=False)
 class PlayResult:
     """What an ansible-runner run left in its event stream: the plays (one per `serial` batch) and task
     runs in order, the recap (`stats`: {host: {ok, changed, failures, ...}}), and what Ansible printed
@@ -196,6 +196,8 @@ class PlayResult:
 
     def __str__(self):
         return f"rc={self.rc} ({self.status}) stats={self.stats}\n{self.messages()}\n{self.stdout[-3000:]}"
+
+    __repr__ = __str__  # what pytest shows of `assert res.rc == 0, res`
 
 
 def _run(keep_dir, timeout, envvars, **kwargs):
