@@ -19,8 +19,8 @@ ORDER = ("hidden_states", "pipeline", "restart_cycle", "fleet")
 
 
 def run_one(name: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, str(HERE / f"{name}.py"), *extra]
-    print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *extra]
+    print(f"\n=== {name}: {' '.join(cmd[2:])}", flush=True)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
     last = ""

@@ -9,7 +9,7 @@ alone, then the rest together; `--serial` passes another). Reported per size: th
 its ratio to one container. `--with-start` lets deploy.yml start the run too (the sim's tiny CPU
 run), and shows that part apart.
 
-Where the time goes comes from the per-task start/end times of the `ansible.posix.json` callback
+Where the time goes comes from the per-task start/end times in ansible-runner's event stream
 (the same figures as `profile_tasks`), grouped by kind of work: the node checks (one
 `pct_container_check` call per container over ssh), container tasks through `pct_pipelined` (ssh to
 the node, then one `pct exec`): the venv module call and the release's one call (unpack of the archive
@@ -19,9 +19,9 @@ and after each size (the machine may be shared), and, on the largest sim before 
 connection alone: raw ssh, raw `pct exec`, an Ansible ping through each connection, a copy of a
 small and an 8 MiB file through `cat`, and the round trips one task costs.
 
-    python benchmarks/fleet.py                     # sizes 1 2 4 8
-    python benchmarks/fleet.py --sizes 1 8 --no-probes
-    python benchmarks/fleet.py --sizes 1 8 --serial 100% --with-start
+    python -m benchmarks.fleet                     # sizes 1 2 4 8
+    python -m benchmarks.fleet --sizes 1 8 --no-probes
+    python -m benchmarks.fleet --sizes 1 8 --serial 100% --with-start
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import simbench  # noqa: E402
-from simbench import CATEGORIES, median  # noqa: E402
+from benchmarks import simbench
+from benchmarks.simbench import CATEGORIES, median
 
 FIRST_VMID = 200
 START = "run start + health (waits, polls, gpu_verify)"
@@ -51,11 +50,11 @@ def configured_forks() -> int:
     return cfg.getint("defaults", "forks", fallback=5)
 
 
-def payload_bytes(rows: list[dict]) -> dict:
+def payload_bytes(rows: list[simbench.TaskRun]) -> dict:
     """Bytes of the wheel and the release archive (base64) that ride in each container's task arguments."""
     out = {}
     for row in rows:
-        for result in row["hosts"].values():
+        for result in row.hosts.values():
             try:
                 built = json.loads(result.get("stdout") or "")
             except (json.JSONDecodeError, TypeError):
@@ -94,8 +93,8 @@ def probe_connection(fleet, vmids, repeats: int) -> dict:
 
     def adhoc(pattern, module, args=None):
         t, res = simbench.ansible_adhoc(inv, pattern, module, args)
-        if res.returncode != 0:
-            raise RuntimeError(f"ansible {pattern} -m {module}: {res.stdout[-2000:]} {res.stderr[-2000:]}")
+        if res.rc != 0:
+            raise RuntimeError(f"ansible {pattern} -m {module}: {res}")
         return t
 
     out["ansible_localhost_ping_s"] = median(
@@ -116,7 +115,7 @@ def probe_connection(fleet, vmids, repeats: int) -> dict:
     for key, module, margs in (("ping", "ansible.builtin.ping", None),
                                ("copy", "ansible.builtin.copy", "content=round-trips dest=/tmp/bench-rt")):
         _, res = simbench.ansible_adhoc(inv, f"ct{vmid}", module, margs, verbose=True)
-        text = res.stdout + res.stderr
+        text = res.stdout
         out[f"{key}_connections"] = text.count("ESTABLISH PARAMIKO SSH CONNECTION")
         out[f"{key}_pct_execs"] = text.count("EXEC /usr/sbin/pct exec") + text.count("EXEC sudo")
         out[f"{key}_cat_puts"] = text.count("PUT ")
@@ -145,15 +144,15 @@ def run_size(n: int, args, work: Path, probes: bool) -> dict:
         keep = args.keep_json / f"fleet-deploy-{n}.json" if args.keep_json else None
         load_before = os.getloadavg()[0]
         wall, res = simbench.timed_play(fleet, "deploy.yml", *extra, keep_json=keep)
-        rows = simbench.task_rows(res.data)
+        rows = res.tasks
         cats = simbench.summarize_categories(rows)
         start_s = cats[START]["seconds"]
-        batches = len([p for p in res.data.get("plays", []) if p["play"]["name"].startswith("Deploy")])
+        batches = len([name for name in res.plays if name.startswith("Deploy")])
         remote = simbench.remote_task_seconds(rows)
         return {
             "containers": n, "nodes": nodes, "batches": batches, "deploy_s": round(wall, 1),
             "run_start_s": round(start_s, 1), "deploy_without_start_s": round(wall - start_s, 1),
-            "tasks_run": sum(1 for r in rows if r["ran"]),
+            "tasks_run": sum(1 for r in rows if r.ran),
             "cheap_container_task_s": median(remote),
             "changed": simbench.recap(res, hosts),
             "payload_bytes": payload_bytes(rows),
@@ -238,7 +237,7 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python benchmarks/fleet.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8],
                         help="numbers of containers, each in a fresh sim (the first is the reference)")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (fewer when fewer containers)")
@@ -251,7 +250,7 @@ def parse_args(argv):
     parser.add_argument("--probe-repeats", type=int, default=3, help="repeats of each connection timing")
     parser.add_argument("--target", type=float, default=2.5, help="largest size's allowed ratio to the first")
     parser.add_argument("--keep-json", type=Path, default=None,
-                        help="write each play's ansible.posix.json output to this directory")
+                        help="write each play's task runs and recap (JSON) to this directory")
     return parser.parse_args(argv)
 
 

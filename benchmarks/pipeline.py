@@ -21,8 +21,8 @@ the pipeline's two workers need two free cores.
 
 Prints a table, then, as its last line, one JSON object with every figure.
 
-    python benchmarks/pipeline.py                    # default sizes, under 2 minutes on 2 cores
-    python benchmarks/pipeline.py --steps 80 --target-layers 8 --max-anchors 8
+    python -m benchmarks.pipeline                    # default sizes, under 2 minutes on 2 cores
+    python -m benchmarks.pipeline --steps 80 --target-layers 8 --max-anchors 8
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def run_training(config_path: Path, tokens_per_step: int, warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/pipeline.py",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per training run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady-state rate (5)")

@@ -1,8 +1,8 @@
 """Restart cycle on one container: `restart_training.yml` and a no-change `deploy.yml`, against pvesim.
 
 One container (CT 200) in its own pvesim (own state dir under a temp dir, taken down in a
-`finally`), set up as the role tests set up a deploy (`tests/roles/roles_support.py`: the sim
-inventory's group_vars, a snapshot of the source, the tiny demo assets). One `deploy.yml` gets a
+`finally`), set up as the role tests set up a deploy (`pvesim.fleet.Fleet`: the sim inventory's
+group_vars, a snapshot of the source, the tiny demo assets). One `deploy.yml` gets a
 run going; then, `--repeats` times:
 
 - `restart_training.yml`, its wall time split into
@@ -23,8 +23,8 @@ nothing; what it leaves unverified is listed next to it, with what this benchmar
 
 Targets: Ansible's part of a restart <= 15 s; a no-change deploy <= 10 s with changed=0.
 
-    python benchmarks/restart_cycle.py                 # 2 repeats
-    python benchmarks/restart_cycle.py --repeats 5 --no-reference
+    python -m benchmarks.restart_cycle                 # 2 repeats
+    python -m benchmarks.restart_cycle --repeats 5 --no-reference
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import simbench  # noqa: E402
-from simbench import CATEGORIES, median  # noqa: E402
+from benchmarks import simbench
+from benchmarks.simbench import CATEGORIES, median
 
 STOP_TASK = "Stop the run (the trainer checkpoints on SIGTERM)."
 LOG = "/var/log/dflash/main.log"
@@ -102,10 +101,9 @@ def measure_restart(fleet, vmid, keep_json, i) -> dict:
     resume = next((e for e in new if e.get("event") == "resume"), None)
     last_ckpt = next((e for e in reversed(old) if e.get("event") == "checkpoint"), None)
     stop_event = next((e for e in reversed(old) if e.get("event") == "stop"), None)
-    rows = simbench.task_rows(res.data)
-    cats = simbench.summarize_categories(rows)
+    cats = simbench.summarize_categories(res.tasks)
     stop_s = float(stop.get("seconds", 0.0))
-    settle = sum(r["seconds"] for r in rows if r["ran"] and r["action"] == "ansible.builtin.pause")
+    settle = sum(r.seconds for r in res.tasks if r.ran and r.action == "ansible.builtin.pause")
     return {
         "wall_s": round(wall, 2),
         "trainer_stop_s": round(stop_s, 2),
@@ -130,7 +128,7 @@ def measure_noop(fleet, vmid, keep_json, i) -> dict:
         "wall_s": round(wall, 2),
         "changed": simbench.recap(res, [host])[host],
         "same_pid": fleet.run_info(vmid)["pid"] == before["pid"],
-        "categories": simbench.summarize_categories(simbench.task_rows(res.data)),
+        "categories": simbench.summarize_categories(res.tasks),
     }
 
 
@@ -215,7 +213,7 @@ def category_table(title: str, runs: list[dict]) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python benchmarks/restart_cycle.py",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.restart_cycle",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="restarts and no-change deploys (median)")
     parser.add_argument("--ritual-repeats", type=int, default=3, help="runs of the hand ritual (median)")
@@ -224,7 +222,7 @@ def parse_args(argv):
     parser.add_argument("--target-restart", type=float, default=15.0, help="Ansible's part of a restart, s")
     parser.add_argument("--target-noop", type=float, default=10.0, help="a no-change deploy, s")
     parser.add_argument("--keep-json", type=Path, default=None,
-                        help="write each play's ansible.posix.json output to this directory")
+                        help="write each play's task runs and recap (JSON) to this directory")
     return parser.parse_args(argv)
 
 

@@ -1,34 +1,23 @@
 """Shared by the benchmarks that run the playbooks against pvesim (`restart_cycle`, `fleet`).
 
-A sim and its deploy setup come from the role tests' helpers (`tests/roles/roles_support.py`:
-`Fleet`, a pvesim in its own state dir with the sim inventory's group_vars, a snapshot of the source
-and the tiny demo assets). Plays run with the `ansible.posix.json` callback, whose per-task start and
-end times are the profile here: each task's wall time (the slowest host of its batch), what kind
-of work it is (from the task file it comes from and its action), and what ran on the controller,
-on a node over ssh, or in a container through `pct_pipelined`.
+A sim and its deploy setup come from `pvesim.fleet` (`Fleet`: a pvesim in its own state dir with the
+sim inventory's group_vars, a snapshot of the source and the tiny demo assets), as in the tests.
+Plays run through ansible-runner; its event stream gives each task run's start and end, which are the
+profile here: each task's wall time (the slowest host of its batch), what kind of work it is (from the
+task file it comes from and its action), and what ran on the controller, on a node over ssh, or in a
+container through `pct_pipelined`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO / "tests" / "roles", REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from roles_support import VENV_BIN, Fleet, ansible_env  # noqa: E402
-
-import pvesim  # noqa: E402
-
-__all__ = ["REPO", "VENV_BIN", "Fleet", "ansible_env", "pvesim", "bring_up", "timed_play", "task_rows",
-           "categorize", "summarize_categories", "median", "timed", "recap"]
+from pvesim import down
+from pvesim.fleet import Fleet, TaskRun, run_module
 
 # Actions that run inside the controller's ansible-playbook process: no connection at all.
 IN_PROCESS = {
@@ -56,7 +45,7 @@ def bring_up(base: Path, nodes: int, containers) -> Fleet:
     try:
         return Fleet(base, nodes=nodes, containers=tuple(containers))
     except BaseException:
-        pvesim.down(base / "state")
+        down(base / "state")
         raise
 
 
@@ -72,50 +61,24 @@ def timed(fn, *args, **kwargs):
 
 
 def timed_play(fleet: Fleet, playbook: str, *args, keep_json: Path | None = None, timeout=1200):
-    """(wall seconds, PlayResult) of one ansible-playbook run, process start to exit. The play's
-    ansible.posix.json output is also written to `keep_json` when given; a failed play ends the
-    benchmark with its output."""
+    """(wall seconds, PlayResult) of one playbook run through ansible-runner, start to exit. The play's
+    task runs (from the event stream) and recap are also written to `keep_json` when given; a failed
+    play ends the benchmark with its output."""
     wall, res = timed(fleet.play, playbook, *args, timeout=timeout)
     if keep_json:
         keep_json.parent.mkdir(parents=True, exist_ok=True)
-        keep_json.write_text(json.dumps(res.data))
+        keep_json.write_text(json.dumps({"plays": res.plays, "stats": res.stats,
+                                         "tasks": [dataclasses.asdict(t) for t in res.tasks]}))
     if res.rc != 0:
         raise SystemExit(f"{playbook} {' '.join(args)} failed:\n{res}")
     return wall, res
 
 
-def _ts(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def task_rows(data: dict) -> list[dict]:
-    """One row per task run (per batch): name, file, action, start/end epoch, seconds, host results."""
-    rows = []
-    for play in data.get("plays", []):
-        for task in play.get("tasks", []):
-            hosts = task.get("hosts", {})
-            actions = {r.get("action") for r in hosts.values() if r.get("action")}
-            dur = task["task"]["duration"]
-            start, end = _ts(dur["start"]), _ts(dur.get("end", dur["start"]))
-            rows.append({
-                "play": play["play"]["name"],
-                "name": task["task"]["name"],
-                "path": task["task"].get("path", ""),
-                "action": next(iter(actions), None),
-                "start": start,
-                "end": end,
-                "seconds": end - start,
-                "hosts": hosts,
-                "ran": [h for h, r in hosts.items() if not r.get("skipped")],
-            })
-    return rows
-
-
-def categorize(row: dict) -> str | None:
+def categorize(row: TaskRun) -> str | None:
     """The kind of work a task run is, or None when every host skipped it."""
-    if not row["ran"]:
+    if not row.ran:
         return None
-    name, path, action = row["name"], row["path"], row["action"]
+    name, path, action = row.name, row.path, row.action
     file = Path(path.split(":")[0]).name
     role = path.split("/roles/")[1].split("/")[0] if "/roles/" in path else ""
     if action in IN_PROCESS and action != "ansible.builtin.pause":
@@ -137,7 +100,7 @@ def categorize(row: dict) -> str | None:
     return "other container round trips"
 
 
-def summarize_categories(rows: list[dict]) -> dict:
+def summarize_categories(rows: list[TaskRun]) -> dict:
     """{category: {"tasks": n, "seconds": s}} over the task runs that did something."""
     out = {c: {"tasks": 0, "seconds": 0.0} for c in CATEGORIES}
     for row in rows:
@@ -145,15 +108,15 @@ def summarize_categories(rows: list[dict]) -> dict:
         if cat is None:
             continue
         out[cat]["tasks"] += 1
-        out[cat]["seconds"] += row["seconds"]
+        out[cat]["seconds"] += row.seconds
     return {c: {"tasks": v["tasks"], "seconds": round(v["seconds"], 2)} for c, v in out.items()}
 
 
-def remote_task_seconds(rows: list[dict]) -> list[float]:
+def remote_task_seconds(rows: list[TaskRun]) -> list[float]:
     """Wall times of the single-round-trip container tasks (stat, file, find): what one task through
     pct_pipelined costs when the module itself does almost nothing."""
     cheap = {"ansible.builtin.stat", "ansible.builtin.file", "ansible.builtin.find"}
-    return [r["seconds"] for r in rows if r["ran"] and r["action"] in cheap
+    return [r.seconds for r in rows if r.ran and r.action in cheap
             and categorize(r) != "node checks (ssh to the node)"]
 
 
@@ -163,15 +126,8 @@ def recap(result, hosts) -> dict:
 
 
 def ansible_adhoc(inventory, pattern, module, args=None, timeout=300, verbose=False):
-    """Wall seconds and result of one ad-hoc `ansible` run (the project's ansible.cfg, default callback)."""
-    argv = [str(VENV_BIN / "ansible"), "-i", str(inventory), pattern, "-m", module]
-    if args:
-        argv += ["-a", args]
-    if verbose:
-        argv.append("-vvv")
+    """Wall seconds and PlayResult of one ad-hoc module run through ansible-runner (the project's
+    ansible.cfg; `verbose`: -vvv, whose lines land in the result's stdout)."""
     started = time.monotonic()
-    res = subprocess.run(argv, env=ansible_env(), capture_output=True, text=True, timeout=timeout,
-                         cwd=REPO, stdin=subprocess.DEVNULL)
+    res = run_module(module, args, inventory, pattern, timeout=timeout, verbosity=3 if verbose else None)
     return time.monotonic() - started, res
-
-

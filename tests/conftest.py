@@ -23,8 +23,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import pvesim  # noqa: E402  (importable from a plain checkout, before `pip install -e .`)
+from pvesim.fleet import VENV_BIN, ansible_env  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
 # The session's sim: two nodes with two containers each, eight GPUs per node.
 SESSION_LAYOUT = {"nodes": 2, "containers": (200, 201, 202, 203), "gpus": 8}
 
@@ -69,17 +69,6 @@ def sim_factory(tmp_path_factory):
     yield make
     for state_dir in started:
         pvesim.down(state_dir)
-
-
-def ansible_env():
-    env = dict(os.environ)
-    env.update({
-        "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
-        "PATH": f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_DEPRECATION_WARNINGS": "False",
-    })
-    return env
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ the name conftest).
 
 Unit tests import the modules' pure helpers directly; the other tests run the modules for real,
 either as a program (the way Ansible runs a module: a JSON file of arguments, JSON on stdout) or
-through the `ansible` command.
+through Ansible, driven by ansible-runner (`pvesim.fleet`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from pvesim import fleet
 from pvesim.procs import is_alive as alive  # live and not a zombie
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = fleet.REPO
 MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
-VENV_BIN = Path(sys.executable).parent
+VENV_BIN = fleet.VENV_BIN
 
 
 def module_command(name):
@@ -50,32 +51,22 @@ def run_module(name, args, env=None, timeout=60):
         pytest.fail(f"{name} printed no JSON (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def ansible_json(argv, env=None, timeout=120):
-    """Run an Ansible program with the json stdout callback; returns its report."""
-    full_env = dict(os.environ, ANSIBLE_LOAD_CALLBACK_PLUGINS="1", ANSIBLE_STDOUT_CALLBACK="json",
-                    ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), **(env or {}))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO,
-                          stdin=subprocess.DEVNULL)
-    try:
-        return json.loads(proc.stdout)
-    except ValueError:
-        pytest.fail(f"{argv[0]} gave no report (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-
-
-def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory="localhost,"):
-    """Run one module through the `ansible` ad-hoc command; returns that host's result."""
-    command = [str(VENV_BIN / "ansible"), host, "-i", inventory, "-m", f"dflash.ops.{module}",
-               "-a", json.dumps(args)]
-    if inventory == "localhost,":
-        command += ["-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
-    return ansible_json(command, env, timeout)["plays"][0]["tasks"][0]["hosts"][host]
+def ansible_module(module, args, env=None, timeout=120, host="localhost", inventory=None):
+    """Run one module of the collection ad hoc through ansible-runner; returns that host's result.
+    Without `inventory`, localhost on the local connection with this Python."""
+    with tempfile.TemporaryDirectory(prefix="module-inventory-") as tmp:
+        res = fleet.run_module(f"dflash.ops.{module}", args, inventory or fleet.local_inventory(tmp), host,
+                               envvars=env, timeout=timeout)
+    results = res.tasks[-1].hosts if res.tasks else {}
+    if host not in results:
+        pytest.fail(f"no result of {module} for {host} ({res.status}):\n{res}")
+    return results[host]
 
 
 def playbook_results(playbook, inventory, host, timeout=120):
-    """Run a playbook; returns the results of its tasks for one host, in order."""
-    argv = [str(VENV_BIN / "ansible-playbook"), "-i", inventory, str(playbook)]
-    tasks = [task for play in ansible_json(argv, timeout=timeout)["plays"] for task in play["tasks"]]
-    return [task["hosts"][host] for task in tasks if host in task["hosts"]]
+    """Run a playbook through ansible-runner; returns the results of its tasks for one host, in order."""
+    res = fleet.run_playbook(playbook, inventory, timeout=timeout)
+    return [result for _, name, result in res.host_results() if name == host]
 
 
 def wait_for(predicate, timeout=10.0, interval=0.05):

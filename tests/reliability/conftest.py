@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles"))  # roles_support
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trial_counts and the *_support modules
 
 from trial_counts import FULL  # noqa: E402

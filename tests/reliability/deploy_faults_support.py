@@ -3,27 +3,23 @@ in, the container left quiet, and the invariants a killed deploy must keep."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
 import signal
 import subprocess
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roles_support import REPO, VENV_BIN
-
 from pvesim import procs
+from pvesim.fleet import REPO, VENV_BIN
 
 VMID = 200
 RELEASES = "/opt/dflash/releases"
 CURRENT = "/opt/dflash/current"
 VENV_PYTHON = "/opt/dflash/venv/bin/python"
 LOG = "/var/log/dflash/main.log"
-BUILD_DIR = REPO / ".cache" / "releases"
 
 # The phase a task belongs to, by its role and words of its name (the first match wins). Task names
 # may change: an unknown one falls back to its role's phase.
@@ -196,21 +192,14 @@ def wait_until_quiet(fleet, timeout=300, vmid=VMID) -> float:
     raise AssertionError(f"CT {vmid} still busy after {timeout} s: {container_quiet(fleet, vmid)}")
 
 
-def release_files(release_id: str) -> dict[str, str]:
-    """{path in the release: sha256} of the archive the controller built for `release_id`."""
-    with tarfile.open(BUILD_DIR / f"{release_id}.tar.gz") as tar:
-        return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
-                for m in tar.getmembers() if m.isfile()}
-
-
 def release_problems(fleet, release_dir: str, vmid=VMID) -> list[str]:
     """Why `release_dir` is not a complete, validated release ([] when it is)."""
     if not release_dir.startswith(f"{RELEASES}/"):
         return [f"current points to {release_dir!r}, not a release"]
     release_id = Path(release_dir).name
-    if not (BUILD_DIR / f"{release_id}.tar.gz").exists():
+    if not (fleet.build_dir / f"{release_id}.tar.gz").exists():
         return [f"release {release_id} has no archive on the controller"]
-    expected = release_files(release_id)
+    expected = fleet.release_files(release_id)
     find = f"cd {shlex.quote(release_dir)} && find . -type f ! -path '*/__pycache__/*' -exec sha256sum {{}} +"
     out = fleet.ct(vmid, find).stdout
     found = {line.split(None, 1)[1].strip()[2:]: line.split()[0] for line in out.splitlines()}

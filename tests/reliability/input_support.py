@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from roles_support import SIM_GROUP_VARS, VENV_BIN, Fleet, ansible_env
+
+from pvesim.fleet import SIM_GROUP_VARS, VENV_BIN, Fleet, ansible_env
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -59,13 +60,11 @@ def shown(res):
 
 def task_results(res):
     """(host, result) of every task of a playbook run, a loop's items after their task."""
-    for play in res.data.get("plays", []):
-        for task in play.get("tasks", []):
-            for host, result in task["hosts"].items():
-                yield host, result
-                for item in result.get("results", []) if isinstance(result.get("results"), list) else []:
-                    if isinstance(item, dict):
-                        yield host, item
+    for _, host, result in res.host_results():
+        yield host, result
+        for item in result.get("results", []) if isinstance(result.get("results"), list) else []:
+            if isinstance(item, dict):
+                yield host, item
 
 
 def failures(res):

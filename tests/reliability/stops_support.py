@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from roles_support import REPO, Fleet
+
+from pvesim.fleet import REPO, Fleet
 
 CONTAINERS = (200, 201, 202, 203)
 MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
@@ -233,13 +234,7 @@ def training_run(fleet, vmid, timeout=180, **args):
 
 def results_with(play, host, key):
     """Every result of `host` in a play that carries `key` (module results, whatever the task's name)."""
-    found = []
-    for section in play.data.get("plays", []):
-        for task in section.get("tasks", []):
-            result = task["hosts"].get(host)
-            if result and key in result:
-                found.append(result)
-    return found
+    return [result for _, name, result in play.host_results() if name == host and key in result]
 
 
 def rng_for(test_name):

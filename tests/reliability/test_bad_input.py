@@ -218,8 +218,7 @@ def test_a_garbage_pidfile_is_moved_aside_and_the_start_proceeds(fleet):
 
     res = fleet.play(GARBAGE.playbook, *GARBAGE.args)
     assert res.rc == 0, str(res)
-    reported = [r.get("msg", "") for play in res.data["plays"] for task in play["tasks"]
-                for r in task["hosts"].values() if "unreadable" in str(r.get("msg", ""))]
+    reported = [r.get("msg", "") for _, _, r in res.host_results() if "unreadable" in str(r.get("msg", ""))]
     assert reported, "no task reported the unreadable pidfile"
     after = RunSnapshot.take(fleet, 200)
     assert after.alive and after.pid != before.pid and after.release == before.release

@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 import yaml
 from checkpoint_support import BEFORE_RENAME, POINTS
-from roles_support import REPO, prepare_assets
 from trial_counts import trials
 
 from dflash.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
 from dflash.target import load_target
+from pvesim.fleet import REPO, prepare_assets
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import json
 
 import pytest
 from input_support import InputFleet, RunSnapshot, shown, unreachable
-from roles_support import change_code
+
+from pvesim.fleet import change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -35,8 +35,9 @@ from deploy_faults_support import (
     validations_in_flight,
     wait_until_quiet,
 )
-from roles_support import Fleet, change_code
 from trial_counts import trials
+
+from pvesim.fleet import Fleet, change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -12,9 +12,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 from input_support import REPO
-from roles_support import VENV_BIN, ansible_env
 
 from pvesim import host
+from pvesim.fleet import VENV_BIN, ansible_env, run_module
 from pvesim.sim import Sim, SimNode, inventory_data
 
 SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
@@ -94,6 +94,10 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
     host.remove_system_known_hosts(sim.state_dir)
     try:
         node_ping, container_ping = ping("pve1"), ping("ct350")
+        # Through ansible-runner (a terminal, where ssh and paramiko ask about the key): refused too,
+        # at once rather than at the run's timeout.
+        on_a_terminal = {pattern: run_module("ansible.builtin.ping", None, tmp_path / "hosts.yml", pattern,
+                                             timeout=90) for pattern in ("pve1", "ct350")}
     finally:
         sim.trust_host_keys()
     assert node_ping.returncode != 0 and "UNREACHABLE" in node_ping.stdout
@@ -105,6 +109,8 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
     assert (f"the ssh host key of 127.0.0.2 port {port} (the container's Proxmox node) is not known"
             in container_ping.stdout), container_ping.stdout
     assert f"ssh-keyscan -p {port} 127.0.0.2" in container_ping.stdout
+    for pattern, res in on_a_terminal.items():
+        assert res.status == "failed" and res.stats[pattern]["unreachable"] == 1, res
     user_known_hosts = Path.home() / ".ssh" / "known_hosts"
     assert not user_known_hosts.exists() or f"[127.0.0.2]:{port}" not in user_known_hosts.read_text()
     # The same pings pass once the keys are known again: the refusals above were the host keys' doing.

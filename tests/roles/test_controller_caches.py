@@ -5,7 +5,7 @@ import importlib.util
 import os
 import time
 
-from roles_support import REPO
+from pvesim.fleet import REPO
 
 DAY = 24 * 3600
 

@@ -5,7 +5,8 @@ One container (CT 200). The tests share the fleet and run in order.
 """
 
 import pytest
-from roles_support import Fleet, change_code
+
+from pvesim.fleet import Fleet, change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -3,7 +3,8 @@
 import subprocess
 
 import pytest
-from roles_support import REPO, VENV_BIN, ansible_env, prepare_assets
+
+from pvesim.fleet import REPO, VENV_BIN, ansible_env, prepare_assets
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

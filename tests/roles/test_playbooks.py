@@ -4,19 +4,17 @@ The tests of this module share one fleet and run in order: each starts from the 
 one left (like an operator's day). pve1 has CT 200 and 201, pve2 has CT 202 and 203.
 """
 
-import hashlib
 import json
-import tarfile
 from pathlib import Path
 
 import pytest
-from roles_support import REPO, Fleet, change_code
+
+from pvesim.fleet import Fleet, change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 CONTAINERS = (200, 201, 202, 203)
 HOSTS = [f"ct{v}" for v in CONTAINERS]
-BUILD_DIR = REPO / ".cache" / "releases"
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +24,6 @@ def fleet(tmp_path_factory):
     f.down()
 
 
-def release_files(release_id):
-    """{path in the release: sha256} of the archive the controller built for `release_id`."""
-    with tarfile.open(BUILD_DIR / f"{release_id}.tar.gz") as tar:
-        return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
-                for m in tar.getmembers() if m.isfile()}
 
 
 def container_checksums(fleet, vmid, release_dir):
@@ -48,8 +41,8 @@ def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
     assert res.rc == 0, res
     # The node checks of the batch are one task for all four containers on both nodes (not one run
     # per node), each container checked on its own node with its GPUs.
-    checks = [task["hosts"] for play in res.data["plays"] for task in play["tasks"]
-              if task["task"]["name"] == "Check the container on its Proxmox node."]
+    checks = [task.hosts for task in res.tasks
+              if task.name.startswith("Check the container on its Proxmox node")]
     assert len(checks) == 1 and set(checks[0]) == set(HOSTS), checks
     for host, result in checks[0].items():
         node = fleet.sim.node_of(int(host[2:])).name
@@ -60,7 +53,7 @@ def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
         release_id = Path(release_dir).name
         assert release_dir == f"/opt/dflash/releases/{release_id}"
         # Every file of the release is in the container with the checksum it has on the controller.
-        expected = release_files(release_id)
+        expected = fleet.release_files(release_id)
         assert "config.yaml" in expected and "run.sh" in expected and "dflash/train.py" in expected
         assert container_checksums(fleet, vmid, release_dir) == expected
         assert f"release: {release_id}" in fleet.read(vmid, f"{release_dir}/REVISION")

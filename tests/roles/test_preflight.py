@@ -3,7 +3,8 @@
 import subprocess
 
 import pytest
-from roles_support import REPO, VENV_BIN, ansible_env
+
+from pvesim.fleet import REPO, VENV_BIN, ansible_env
 
 PLAYBOOKS = ["deploy.yml", "restart_training.yml", "stop_training.yml", "status.yml", "rollback.yml"]
 

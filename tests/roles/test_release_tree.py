@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import yaml
-from roles_support import REPO
+
+from pvesim.fleet import REPO
 
 COLLECTION = REPO / "ansible_collections" / "dflash" / "ops"
 ROLE = COLLECTION / "roles" / "dflash_release"
