@@ -3,7 +3,8 @@ fleet: each runs to the end, says what it would change (a new release, a restart
 changes nothing: the run's pid and pidfile, the releases, `current` and `previous` are the same after."""
 
 import pytest
-from roles_support import Fleet, change_code
+
+from pvesim.fleet import Fleet, change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
