@@ -84,7 +84,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # In x's dtype: under autocast the fp32 master weight must not promote bf16 activations.
+        return (self.weight * x32).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -179,13 +180,18 @@ class DFlashDrafter(nn.Module):
     def forward(self, context_features: torch.Tensor, context_positions: torch.Tensor,
                 block_input_ids: torch.Tensor, block_positions: torch.Tensor,
                 attention_mask: torch.Tensor) -> torch.Tensor:
-        """Hidden states `[Q, H]` of the block tokens, after the final norm."""
+        """Hidden states `[Q, H]` of the block tokens, after the final norm.
+
+        Under `torch.autocast` (bf16 compute over fp32 master weights) the context and RoPE are in
+        the autocast dtype; the block's residual stream stays in the weights' dtype."""
         dtype = self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(context_features.to(dtype)))
+        device_type = self.fc.weight.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+        context = self.hidden_norm(self.fc(context_features.to(compute)))
         block = self.embed_tokens(block_input_ids).to(dtype)
         head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
-        rope_q = rope_cos_sin(block_positions, head_dim, theta, dtype)
-        rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, dtype)
+        rope_q = rope_cos_sin(block_positions, head_dim, theta, compute)
+        rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, compute)
         for layer in self.layers:
             block = layer(block, context, rope_q, rope_kv, attention_mask)
         return self.norm(block)

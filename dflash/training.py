@@ -32,7 +32,9 @@ def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:
 
 def build_drafter(cfg: TrainConfig, target: nn.Module) -> DFlashDrafter:
     """A fresh drafter for `target` (initialised from the torch RNG), sharing its frozen
-    embedding and lm_head, in the configured dtype and on the target's device."""
+    embedding and lm_head (in the target's dtype), on the target's device. Its trainable weights
+    are float32 whatever the target's dtype: they are the master weights that bf16 training
+    (`compute_precision`) updates, so that steps smaller than a bf16 ulp are not lost."""
     tconf = target.config
     layer_ids = resolve_layer_ids(cfg, tconf.num_hidden_layers)
     mask_token_id = resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target_path, tconf.vocab_size)
@@ -42,7 +44,14 @@ def build_drafter(cfg: TrainConfig, target: nn.Module) -> DFlashDrafter:
     )
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     drafter = DFlashDrafter(drafter_cfg, embed, head)
-    return drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    return drafter.to(device=embed.weight.device)
+
+
+def compute_precision(cfg: TrainConfig, device: torch.device):
+    """The context the drafter's forward and loss run in: bf16 autocast over the fp32 master
+    weights when `model.dtype` is bfloat16 (gradients, clipping and AdamW state stay fp32);
+    plain fp32 otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.model.dtype == "bfloat16")
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -147,14 +156,15 @@ class DrafterTrainer:
             last = i == len(parts) - 1
             no_sync = getattr(self.drafter, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
-                hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
-                                      batch.block_positions, batch.attention_mask)
-                # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
-                is_scored = batch.weights > 0
-                labels, weights = batch.labels[is_scored], batch.weights[is_scored]
-                logits = self.drafter.logits(hidden[is_scored])
-                loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
-                loss.backward()
+                with compute_precision(self.cfg, device):
+                    hidden = self.drafter(features[start:end], position_ids[start:end],
+                                          batch.block_input_ids, batch.block_positions, batch.attention_mask)
+                    # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
+                    is_scored = batch.weights > 0
+                    labels, weights = batch.labels[is_scored], batch.weights[is_scored]
+                    logits = self.drafter.logits(hidden[is_scored])
+                    loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
+                loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
             loss_sum += float(loss.detach())
             hits, count = count_correct(logits, labels, weights)
             correct, scored = correct + hits, scored + count
