@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash.config import config_from_dict
-from dflash.target import load_target, target_hidden_states
+from dflash.target import TargetHead, load_target, target_hidden_states
 from dflash.training import DrafterTrainer, build_drafter, compute_precision
 
 
@@ -17,7 +17,7 @@ def test_bf16_steps_at_the_papers_lr_move_every_trainable_element(tiny_target, t
                                        optim={"lr": 6e-4, "warmup_ratio": 0.0, "total_steps": steps}))
     target = load_target(tiny_target, "bfloat16")
     torch.manual_seed(0)
-    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    trainer = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
     drafter = trainer.drafter
     assert drafter.embed_tokens.weight.dtype == drafter.lm_head.weight.dtype == torch.bfloat16
     before = {name: value.clone() for name, value in drafter.trainable_state_dict().items()}
@@ -41,7 +41,7 @@ def test_bf16_steps_at_the_papers_lr_move_every_trainable_element(tiny_target, t
 
 def test_bf16_compute_runs_the_drafter_in_bf16(tiny_target, tiny_config, tmp_path):
     cfg = config_from_dict(tiny_config(tmp_path, model={"dtype": "bfloat16"}))
-    drafter = build_drafter(cfg, load_target(tiny_target, "bfloat16"))
+    drafter = build_drafter(cfg, TargetHead.of(load_target(tiny_target, "bfloat16")))
     features = torch.randn(8, drafter.fc.in_features)
     with compute_precision(cfg, torch.device("cpu")):
         projected = drafter.fc(features)
