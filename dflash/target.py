@@ -103,11 +103,13 @@ def load_target_head(path: str | Path, dtype: str = "float32",
         raise ValueError(f"expected one input embedding (*embed_tokens.weight) in {path}, "
                          f"found {embed_names}")
     embed_weight = _read_tensor(files, embed_names[0]).to(device=device, dtype=DTYPES[dtype])
-    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in files
-    head_weight = embed_weight if tied else _read_tensor(files, "lm_head.weight").to(device, DTYPES[dtype])
     embed = nn.Embedding.from_pretrained(embed_weight, freeze=True)
-    lm_head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False, device="meta")
-    lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+    lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False, device="meta")
+    if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in files:
+        lm_head.weight = embed.weight  # tied: one tensor, as in the model
+    else:
+        head_weight = _read_tensor(files, "lm_head.weight").to(device=device, dtype=DTYPES[dtype])
+        lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
     return TargetHead(config, embed, lm_head)
 
 
