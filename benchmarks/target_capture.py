@@ -7,7 +7,8 @@ at a small hidden size) on the same padded batch and return the same packed `[T,
 - all layers (the previous path): `output_hidden_states=True` keeps the n + 1 `[B, L, H]` layer
   outputs, every layer runs, then k of them are packed;
 - capture (`dflash.target.target_hidden_states`): hooks copy the k selected layers' real tokens
-  into the packed output as they are produced, and the forward pass ends after the deepest one.
+  into the packed output as they are produced, and the forward pass ends after the deepest one;
+- capture, one row per pass (`model.target_rows_per_pass: 1`): the same, a row at a time.
 
 Peak memory is what torch's own allocator holds beyond the inputs and the model (`dflash.memory`:
 the CUDA allocator's peak, or on CPU the running sum of torch.profiler's allocation events), given
@@ -65,26 +66,35 @@ def measure(args, device: torch.device) -> dict:
     def capture():
         return target_hidden_states(target, input_ids, attention_mask, layer_ids)
 
+    def capture_by_row():
+        return target_hidden_states(target, input_ids, attention_mask, layer_ids, rows_per_pass=1)
+
     def all_layers():
         return target_hidden_states_all_layers(target, input_ids, attention_mask, layer_ids)
 
-    ours, capture_peak = peak_allocated_bytes(capture, device)
-    reference, all_peak = peak_allocated_bytes(all_layers, device)
-    if not torch.equal(ours.features, reference.features):
-        raise AssertionError("captured features differ from the all-layers path")
-    del ours, reference
-    t_capture, t_all = best_seconds([capture, all_layers], args.repeats, device)
+    paths = {"capture": capture, "capture_by_row": capture_by_row, "all_layers": all_layers}
+    peaks, features = {}, {}
+    for name, fn in paths.items():
+        result, peaks[name] = peak_allocated_bytes(fn, device)
+        features[name] = result.features
+    for name in ("capture", "capture_by_row"):
+        if not torch.equal(features[name], features["all_layers"]):
+            raise AssertionError(f"{name} features differ from the all-layers path")
+    del features, result
+    times = dict(zip(paths, best_seconds(list(paths.values()), args.repeats, device), strict=True))
     layer_bytes = args.batch * args.max_len * args.hidden * torch.finfo(dtype).bits // 8
+    figures = {}
+    for name in paths:
+        figures[f"{name}_peak_mib"] = round(peaks[name] / 2**20, 2)
+        figures[f"{name}_peak_layers"] = round(peaks[name] / layer_bytes, 2)
+        figures[f"{name}_ms"] = round(times[name] * 1e3, 1)
+        figures[f"{name}_peak_ratio"] = round(peaks[name] / peaks["all_layers"], 3)
+        figures[f"{name}_time_ratio"] = round(times[name] / times["all_layers"], 3)
     return {
         "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "k": args.k,
         "layer_ids": layer_ids, "batch": args.batch, "max_len": args.max_len, "dtype": args.dtype,
-        "device": str(device), "layer_output_mib": round(layer_bytes / 2**20, 3),
-        "capture_peak_mib": round(capture_peak / 2**20, 2), "all_layers_peak_mib": round(all_peak / 2**20, 2),
-        "capture_peak_layers": round(capture_peak / layer_bytes, 2),
-        "all_layers_peak_layers": round(all_peak / layer_bytes, 2),
-        "peak_ratio": round(capture_peak / all_peak, 3),
-        "capture_ms": round(t_capture * 1e3, 1), "all_layers_ms": round(t_all * 1e3, 1),
-        "time_ratio": round(t_capture / t_all, 3),
+        "padding": args.padding, "device": str(device), "layer_output_mib": round(layer_bytes / 2**20, 3),
+        **figures,
     }
 
 
@@ -110,12 +120,10 @@ def main(argv=None) -> int:
     print(f"target: {row['layers']} layers, H {row['hidden']}, I {row['intermediate']}, layer ids "
           f"{row['layer_ids']}; batch {row['batch']} x {row['max_len']}, {row['dtype']} on {row['device']}; "
           f"one layer output [B, L, H] = {row['layer_output_mib']} MiB")
-    print(f"{'path':>10} | {'peak MiB':>9} {'layers':>7} | {'ms':>8}")
-    print(f"{'capture':>10} | {row['capture_peak_mib']:>9} {row['capture_peak_layers']:>7} | "
-          f"{row['capture_ms']:>8}")
-    print(f"{'all':>10} | {row['all_layers_peak_mib']:>9} {row['all_layers_peak_layers']:>7} | "
-          f"{row['all_layers_ms']:>8}")
-    print(f"capture / all layers: peak {row['peak_ratio']}x, time {row['time_ratio']}x")
+    print(f"{'path':>16} | {'peak MiB':>9} {'layers':>7} {'x all':>6} | {'ms':>8} {'x all':>6}")
+    for name in ("capture", "capture_by_row", "all_layers"):
+        print(f"{name:>16} | {row[name + '_peak_mib']:>9} {row[name + '_peak_layers']:>7} "
+              f"{row[name + '_peak_ratio']:>6} | {row[name + '_ms']:>8} {row[name + '_time_ratio']:>6}")
     print(json.dumps(row))
     return 0
 

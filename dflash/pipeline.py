@@ -384,7 +384,8 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device:
             break
         maybe_inject_failure(ctx, sent + 1)
         batch = {k: t.to(device) for k, t in collate([examples[i] for i in indices]).items()}
-        packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids)
+        packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
+                                      cfg.model.target_rows_per_pass)
         send_batch(ctx.drafter_rank(index, ctx.num_drafters), index, packed.features, packed.cu_seqlens,
                    packed.position_ids, packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
         sent += 1

@@ -137,15 +137,20 @@ class _DeepestLayerDone(Exception):
 
 @torch.no_grad()
 def target_hidden_states(
-    target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]
+    target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int],
+    rows_per_pass: int | None = None,
 ) -> PackedHiddenStates:
     """The selected layers' real tokens of a padded batch, packed `[T, k*H]`, captured as the
     target produces them: a forward hook on each selected layer copies its output's real tokens
     into that layer's slice of the output, and the hook of the deepest one ends the forward pass.
     No layer past the deepest runs, no lm_head, and no other layer's output is kept: the peak is
     the packed output plus one layer's working set, not the n + 1 `[B, L, H]` tensors of
-    `output_hidden_states`. Bit-identical to `target_hidden_states_all_layers`, including its
-    last layer, which transformers reports after the final norm."""
+    `output_hidden_states`. `rows_per_pass` runs the batch that many rows at a time (same padded
+    length), which divides the working set accordingly.
+
+    Bit-identical to `target_hidden_states_all_layers`, including its last layer, which
+    transformers reports after the final norm (with `rows_per_pass` on CPU, as the tests check;
+    a GPU's matrix kernels may round a smaller batch differently)."""
     base = target.base_model
     n_layers = len(base.layers)
     for layer_id in layer_ids:
@@ -156,17 +161,17 @@ def target_hidden_states(
     for column, layer_id in enumerate(layer_ids):
         columns.setdefault(layer_id, []).append(column)
     deepest = max(layer_ids)
-    packed: list[torch.Tensor] = []
+    width = target.config.hidden_size
+    features = torch.empty(token_index.numel(), len(layer_ids), width, dtype=base.embed_tokens.weight.dtype,
+                           device=input_ids.device)
+    # The rows of the pass at hand: where their real tokens are, and where they go in `features`.
+    rows = {"index": token_index, "out": features}
 
     def capture(layer_id: int):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
-            batch, max_len, width = hidden.shape
-            if not packed:
-                packed.append(hidden.new_empty(token_index.numel(), len(layer_ids), width))
             for column in columns[layer_id]:
-                torch.index_select(hidden.reshape(batch * max_len, width), 0, token_index,
-                                   out=packed[0][:, column])
+                torch.index_select(hidden.reshape(-1, width), 0, rows["index"], out=rows["out"][:, column])
             if layer_id == deepest:
                 raise _DeepestLayerDone
         return hook
@@ -174,14 +179,22 @@ def target_hidden_states(
     # transformers' hidden_states[-1] (the last layer) is the final norm's output.
     modules = {i: base.norm if i == n_layers - 1 else base.layers[i] for i in columns}
     handles = [modules[i].register_forward_hook(capture(i)) for i in columns]
+    n_rows = input_ids.shape[0]
+    step = min(rows_per_pass or n_rows, n_rows)
     try:
-        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    except _DeepestLayerDone:
-        pass
+        for first in range(0, n_rows, step):
+            last = min(first + step, n_rows)
+            mask = attention_mask[first:last]
+            rows["index"] = mask.reshape(-1).nonzero().squeeze(1)
+            rows["out"] = features[int(cu_seqlens[first]): int(cu_seqlens[last])]
+            if rows["index"].numel():
+                try:
+                    base(input_ids=input_ids[first:last], attention_mask=mask, use_cache=False)
+                except _DeepestLayerDone:
+                    pass
     finally:
         for handle in handles:
             handle.remove()
-    features = packed[0]
     return PackedHiddenStates(features.view(features.shape[0], -1), cu_seqlens, position_ids, token_index)
 
 

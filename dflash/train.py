@@ -156,7 +156,7 @@ class SingleProcessRun(DrafterRun):
         batch = collate([self.examples[i] for i in self.order.next_batch()])
         batch = {name: t.to(self.device) for name, t in batch.items()}
         packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"],
-                                      self.layer_ids)
+                                      self.layer_ids, self.cfg.model.target_rows_per_pass)
         return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
                                        packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
 

@@ -16,12 +16,13 @@ def padded_batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layer_ids", [[1, 3], [0, 2, 5], [4, 4, 1]])
-def test_captured_features_are_bit_equal_to_the_all_layers_path(make_target, dtype, layer_ids):
+@pytest.mark.parametrize(("layer_ids", "rows_per_pass"),
+                         [([1, 3], None), ([0, 2, 5], None), ([4, 4, 1], None), ([1, 5], 1), ([0, 3], 2)])
+def test_captured_features_are_bit_equal_to_the_all_layers_path(make_target, dtype, layer_ids, rows_per_pass):
     # Layer 5 is the last of 6: transformers reports it after the final norm, and so do we.
     target = load_target(make_target(num_hidden_layers=6), dtype)
     input_ids, attention_mask = padded_batch()
-    ours = target_hidden_states(target, input_ids, attention_mask, layer_ids)
+    ours = target_hidden_states(target, input_ids, attention_mask, layer_ids, rows_per_pass)
     reference = target_hidden_states_all_layers(target, input_ids, attention_mask, layer_ids)
     assert ours.features.dtype == reference.features.dtype == getattr(torch, dtype)
     assert ours.features.shape == (39, len(layer_ids) * 32)

@@ -72,7 +72,7 @@ def test_pipeline_losses_equal_the_single_process_trainer_across_a_resume(write_
 @pytest.mark.slow
 def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exactly(
         write_config, start_run, pid_alive, demo_dir, tmp_path):
-    steps = 12
+    steps = 16
     sections = {"data": {"path": str(ragged_dataset(demo_dir, tmp_path / "ragged.jsonl"))},
                 "optim": {"total_steps": steps}, "pipeline": TWO_DRAFTERS}
     reference = start_run(write_config("reference", **sections))
