@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("hidden_states", "pipeline", "restart_cycle", "fleet")
+ORDER = ("hidden_states", "target_capture", "attention", "drafter_rank", "pipeline", "restart_cycle", "fleet")
 
 
 def run_one(name: str, extra: list[str]) -> dict:

@@ -42,7 +42,7 @@ import yaml
 
 from dflash.config import load_config
 from dflash.data import BatchOrder, collate, load_examples
-from dflash.target import load_target, target_hidden_states
+from dflash.target import TargetHead, load_target, target_hidden_states
 from dflash.training import DrafterTrainer, build_drafter, resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def stage_rates(config_path: Path, repeats: int) -> tuple[float, float]:
     packed = [target_stage(batch) for batch in batches]
     target_s = time.perf_counter() - started
 
-    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    trainer = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
     inputs = [(p.features, p.cu_seqlens, p.position_ids, p.pack(b["input_ids"]), p.pack(b["loss_mask"]))
               for p, b in zip(packed, batches, strict=True)]
     trainer.train_step(*inputs[0])  # warm-up

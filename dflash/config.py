@@ -91,6 +91,7 @@ class ModelConfig(_Section):
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     dtype: str = "float32"
+    target_rows_per_pass: int | None = None
     _name = "model"
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class ModelConfig(_Section):
         if self.mask_token_id is not None:
             self._require(self.mask_token_id >= 0, "mask_token_id", "must be >= 0")
         self._require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.target_rows_per_pass is not None:
+            self._require(self.target_rows_per_pass >= 1, "target_rows_per_pass", "must be >= 1")
 
 
 @dataclass

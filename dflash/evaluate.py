@@ -40,7 +40,7 @@ from dflash.data import DataError, load_examples
 from dflash.hidden_states import get_hidden_states_packed
 from dflash.loss import build_block_attention_mask
 from dflash.model import DFlashDrafter
-from dflash.target import load_target
+from dflash.target import TargetHead, load_target
 from dflash.training import build_drafter, resolve_layer_ids
 
 # proposer(sequence so far, context features [len(sequence) - 1, k*H]) -> b-1 draft tokens
@@ -185,11 +185,11 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     torch.manual_seed(cfg.run.seed)
     proposers: list[tuple[str, Proposer]] = []
     if checkpoint is not None:
-        trained = build_drafter(cfg, target)
+        trained = build_drafter(cfg, TargetHead.of(target))
         trained.load_trainable_state_dict(load_checkpoint(resolve_checkpoint(checkpoint))[0])
         proposers.append(("trained drafter", drafter_proposer(trained)))
     torch.manual_seed(cfg.run.seed)
-    proposers.append(("untrained drafter", drafter_proposer(build_drafter(cfg, target))))
+    proposers.append(("untrained drafter", drafter_proposer(build_drafter(cfg, TargetHead.of(target)))))
     if include_target:
         proposers.append(("target as drafter", target_proposer(target, block_size)))
 

@@ -14,6 +14,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from dflash.attention import BlockSparseMask
 from dflash.hidden_states import document_ids
 
 
@@ -37,8 +38,8 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
 @dataclass
 class BlockBatch:
     """The drafter's inputs and targets for a packed batch; Q = n_blocks * block_size.
-    The `[Q, T+Q]` attention mask is built on first use, so that targets and weights of many
-    batches can be held at once cheaply."""
+    Its attention masks are built on first use: the block-sparse one the trainer uses
+    (`sparse_mask`, a few ranges per block) and the dense `[Q, T+Q]` reference (`attention_mask`)."""
 
     block_input_ids: torch.Tensor  # [Q] anchor token then mask tokens, per block
     block_positions: torch.Tensor  # [Q] anchor + k, position within the document
@@ -49,12 +50,19 @@ class BlockBatch:
     block_doc: torch.Tensor        # [n_blocks]
     block_anchor: torch.Tensor     # [n_blocks]
     block_size: int
+    cu_seqlens: torch.Tensor       # [B+1] document boundaries of the context
 
     @cached_property
     def attention_mask(self) -> torch.Tensor:
         """[Q, T + Q] bool, True = may attend."""
         return build_block_attention_mask(self.context_doc, self.context_pos, self.block_doc,
                                           self.block_anchor, self.block_size)
+
+    @cached_property
+    def sparse_mask(self) -> BlockSparseMask:
+        """The same pattern as `attention_mask`, as ranges per block (`dflash.attention`)."""
+        return BlockSparseMask.from_blocks(self.cu_seqlens, self.block_doc, self.block_anchor,
+                                           self.block_size)
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
@@ -106,7 +114,7 @@ def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqle
     block_input_ids[:, 0] = labels[:, 0]
     return BlockBatch(block_input_ids.reshape(-1), positions.reshape(-1).to(device), labels.reshape(-1),
                       weights.reshape(-1), document_ids(cu_seqlens).to(device), position_ids.to(device),
-                      block_doc.to(device), block_anchor.to(device), block_size)
+                      block_doc.to(device), block_anchor.to(device), block_size, cu_seqlens)
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,

@@ -7,7 +7,8 @@ Inputs, all packed (no batch dimension; documents are told apart by the attentio
 - block tokens `[Q]`: for each block, the anchor token then `mask_token_id` x (b-1), embedded with
   the target's frozen embedding; queries come from the block only.
 - positions: the context's and the blocks' positions within their documents, for RoPE.
-- a boolean attention mask `[Q, T+Q]` (True = may attend) built by `dflash.loss`.
+- the attention pattern, built by `dflash.loss`: a `BlockSparseMask` (ranges per block, what
+  training uses) or the dense boolean reference `[Q, T+Q]` (True = may attend).
 Output: hidden states `[Q, H]` after the final norm; `logits()` applies the target's frozen lm_head.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash.attention import BlockSparseMask
 
 
 @dataclass
@@ -84,7 +87,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # In x's dtype: under autocast the fp32 master weight must not promote bf16 activations.
+        return (self.weight * x32).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -116,7 +120,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope_q, rope_kv,
-                attention_mask: torch.Tensor) -> torch.Tensor:
+                attention_mask: torch.Tensor | BlockSparseMask) -> torch.Tensor:
         cfg = self.cfg
         n_q, n_ctx = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(n_q, cfg.num_attention_heads, cfg.head_dim))
@@ -127,9 +131,11 @@ class DraftAttention(nn.Module):
         q = apply_rope(q.transpose(0, 1).unsqueeze(0), *rope_q)
         k = apply_rope(k.transpose(0, 1).unsqueeze(0), *rope_kv)
         v = v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads
-        )
+        gqa = cfg.num_attention_heads != cfg.num_key_value_heads
+        if isinstance(attention_mask, BlockSparseMask):
+            out = attention_mask.attend(q, k, v, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
         out = out.squeeze(0).transpose(0, 1).reshape(n_q, cfg.num_attention_heads * cfg.head_dim)
         return self.o_proj(out)
 
@@ -178,14 +184,19 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, context_features: torch.Tensor, context_positions: torch.Tensor,
                 block_input_ids: torch.Tensor, block_positions: torch.Tensor,
-                attention_mask: torch.Tensor) -> torch.Tensor:
-        """Hidden states `[Q, H]` of the block tokens, after the final norm."""
+                attention_mask: torch.Tensor | BlockSparseMask) -> torch.Tensor:
+        """Hidden states `[Q, H]` of the block tokens, after the final norm.
+
+        Under `torch.autocast` (bf16 compute over fp32 master weights) the context and RoPE are in
+        the autocast dtype; the block's residual stream stays in the weights' dtype."""
         dtype = self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(context_features.to(dtype)))
+        device_type = self.fc.weight.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+        context = self.hidden_norm(self.fc(context_features.to(compute)))
         block = self.embed_tokens(block_input_ids).to(dtype)
         head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
-        rope_q = rope_cos_sin(block_positions, head_dim, theta, dtype)
-        rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, dtype)
+        rope_q = rope_cos_sin(block_positions, head_dim, theta, compute)
+        rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, compute)
         for layer in self.layers:
             block = layer(block, context, rope_q, rope_kv, attention_mask)
         return self.norm(block)

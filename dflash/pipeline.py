@@ -44,8 +44,8 @@ import torch.distributed as dist
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
 from dflash.runtime import EventLog, StopSignal
-from dflash.target import load_target, target_hidden_states
-from dflash.train import SingleProcessRun
+from dflash.target import load_target, load_target_head, target_hidden_states
+from dflash.train import DrafterRun
 from dflash.training import StepResult, resolve_layer_ids
 
 # A test knob: "<worker name>:<n>" makes that worker raise at its n-th batch (target) or step (drafter).
@@ -264,12 +264,14 @@ class DrafterDDP(torch.nn.parallel.DistributedDataParallel):
             return getattr(self.module, name)
 
 
-class PipelineDrafterRun(SingleProcessRun):
-    """The single-process run with the target's work replaced by batches from the target ranks."""
+class PipelineDrafterRun(DrafterRun):
+    """The drafter side of the single-process run, fed by the target ranks. It holds only the
+    target's head (embedding, lm_head, config), read from the target's weights without the model."""
 
     def __init__(self, cfg: TrainConfig, ctx: WorkerContext, log: EventLog, signal: StopSignal,
                  device: torch.device, group):
-        super().__init__(cfg, NoStatus(), log, signal)
+        head = load_target_head(cfg.model.target_path, cfg.model.dtype, device)
+        super().__init__(cfg, NoStatus(), log, signal, head, rank=ctx.role_rank)
         self.ctx, self.group, self.signal = ctx, group, signal
         self.leader = ctx.role_rank == 0
         self.steps_done_here = 0
@@ -281,9 +283,20 @@ class PipelineDrafterRun(SingleProcessRun):
         if self.group is not None:
             self.trainer.drafter = DrafterDDP(self.trainer.drafter, process_group=self.group)
 
+    def random_states(self) -> list[dict]:
+        """Every drafter's random state, gathered from all of them (a collective: every drafter
+        saves at the same step)."""
+        if self.group is None:
+            return super().random_states()
+        states: list = [None] * self.ctx.num_drafters
+        dist.all_gather_object(states, self.random_state(), group=self.group)
+        return states
+
     def save(self) -> None:
         if self.leader:
             super().save()
+        else:
+            self.random_states()  # drafter 0 gathers every drafter's random state
         self.last_saved_step = self.trainer.step
 
     def train_one_step(self) -> StepResult:
@@ -371,7 +384,8 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device:
             break
         maybe_inject_failure(ctx, sent + 1)
         batch = {k: t.to(device) for k, t in collate([examples[i] for i in indices]).items()}
-        packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids)
+        packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
+                                      cfg.model.target_rows_per_pass)
         send_batch(ctx.drafter_rank(index, ctx.num_drafters), index, packed.features, packed.cu_seqlens,
                    packed.position_ids, packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
         sent += 1

@@ -31,8 +31,8 @@ from dflash.checkpoint import (
 from dflash.config import ConfigError, TrainConfig, dump_config, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
 from dflash.runtime import EventLog, StatusFile, StopSignal
-from dflash.target import load_target, target_hidden_states
-from dflash.training import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash.target import TargetHead, load_target, target_hidden_states
+from dflash.training import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -43,21 +43,36 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if name == "cuda" else "cpu")
 
 
-class SingleProcessRun:
-    """The target, the drafter trainer, the data order and the run's outputs, wired together."""
+class DrafterRun:
+    """The drafter side of a run: the trainer, the data order and the run's outputs, around the
+    target's `head` (embedding, lm_head, config). `train_one_step` is the subclass's: it brings
+    the step's target features.
 
-    def __init__(self, cfg: TrainConfig, status: StatusFile, log: EventLog, stop: StopSignal):
+    Checkpoints hold every drafter rank's random state (`random_states`, in rank order: its anchor
+    RNG and the process RNGs), and each rank resumes from its own, so that a resumed run draws
+    what the uninterrupted one would have, whatever the number of drafters."""
+
+    def __init__(self, cfg: TrainConfig, status: StatusFile, log: EventLog, stop: StopSignal,
+                 head: TargetHead, rank: int = 0):
         self.cfg, self.status, self.log, self.stop = cfg, status, log, stop
         self.output_dir = Path(cfg.run.output_dir)
-        self.device = resolve_device(cfg.pipeline.device)
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
-        self.target = load_target(cfg.model.target_path, cfg.model.dtype, self.device)
-        self.layer_ids = resolve_layer_ids(cfg, self.target.config.num_hidden_layers)
-        self.examples = load_examples(cfg.data.path, cfg.data.max_length, self.target.config.vocab_size)
+        self.rank = rank
+        self.device = head.embed_tokens.weight.device
+        self.layer_ids = resolve_layer_ids(cfg, head.config.num_hidden_layers)
+        self.examples = load_examples(cfg.data.path, cfg.data.max_length, head.config.vocab_size)
         self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
-        self.trainer = DrafterTrainer(build_drafter(cfg, self.target), cfg)
+        torch.manual_seed(cfg.run.seed)  # the drafter's initial weights: the same on every rank
+        random.seed(cfg.run.seed)
+        self.trainer = DrafterTrainer(build_drafter(cfg, head), cfg, rank)
         self.last_saved_step: int | None = None
+
+    def random_state(self) -> dict:
+        """This rank's random state: its anchor RNG and the process RNGs."""
+        return {"anchor": self.trainer.anchor_generator.get_state(), **rng_state()}
+
+    def random_states(self) -> list[dict]:
+        """Every drafter rank's random state, in rank order (here: this rank only)."""
+        return [self.random_state()]
 
     def resume(self) -> None:
         remove_partial_saves(self.output_dir)
@@ -68,30 +83,33 @@ class SingleProcessRun:
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        ranks = state["rng"]
+        if isinstance(ranks, dict):  # written before the random state was kept per rank
+            ranks = [{**ranks, "anchor": state["trainer"]["anchor_rng"]}]
+        own = ranks[self.rank] if self.rank < len(ranks) else None
+        if own is not None:  # a rank the checkpoint's layout did not have keeps its fresh seed
+            self.trainer.anchor_generator.set_state(own["anchor"])
+            set_rng_state(own)
         self.last_saved_step = self.trainer.step
         self.status.update(last_checkpoint=str(checkpoint))
-        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint))
+        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint),
+                      saved_ranks=len(ranks))
 
     def save(self) -> None:
         step = self.trainer.step
         drafter = self.trainer.drafter
         meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
                 "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype}
-        state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": rng_state()}
+        state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(),
+                 "rng": self.random_states()}
         path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
                                dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
         self.last_saved_step = step
         self.status.update(last_checkpoint=str(path))
         self.log.emit("checkpoint", step=step, path=str(path))
 
-    def train_one_step(self):
-        batch = collate([self.examples[i] for i in self.order.next_batch()])
-        batch = {name: t.to(self.device) for name, t in batch.items()}
-        packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"],
-                                      self.layer_ids)
-        return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
-                                       packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
+    def train_one_step(self) -> StepResult:
+        raise NotImplementedError
 
     def run(self) -> str:
         """Train until done, stopped, or the per-run step budget is spent; return why it ended."""
@@ -125,6 +143,22 @@ class SingleProcessRun:
         if self.last_saved_step != self.trainer.step:
             self.save()
         return reason
+
+
+class SingleProcessRun(DrafterRun):
+    """The frozen target and the drafter in one process, taking turns each step."""
+
+    def __init__(self, cfg: TrainConfig, status: StatusFile, log: EventLog, stop: StopSignal):
+        self.target = load_target(cfg.model.target_path, cfg.model.dtype, resolve_device(cfg.pipeline.device))
+        super().__init__(cfg, status, log, stop, TargetHead.of(self.target))
+
+    def train_one_step(self) -> StepResult:
+        batch = collate([self.examples[i] for i in self.order.next_batch()])
+        batch = {name: t.to(self.device) for name, t in batch.items()}
+        packed = target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"],
+                                      self.layer_ids, self.cfg.model.target_rows_per_pass)
+        return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
+                                       packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
 
 
 def run_single_process(cfg: TrainConfig) -> int:

@@ -3,8 +3,8 @@
 `DrafterTrainer.train_step(features, cu_seqlens, position_ids, input_ids, loss_mask)` takes the
 packed output of the target (`[T, k*H]` plus its metadata, as `get_hidden_states_packed` gives it
 or another process sent it), samples anchors, builds the blocks, and takes one AdamW step.
-Its `state_dict()` holds everything a resume needs besides the weights: optimizer moments,
-scheduler, step, and the anchor RNG.
+Its `state_dict()` holds what a resume needs besides the weights and the random state: optimizer
+moments, scheduler, step (the anchor RNG, one per drafter rank, is saved by the run).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from dflash.config import OptimConfig, TrainConfig
 from dflash.loss import build_block_batch, count_correct, dflash_loss, sample_anchors
 from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.target import build_target_layer_ids, resolve_mask_token_id
+from dflash.target import TargetHead, build_target_layer_ids, resolve_mask_token_id
 
 
 def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:
@@ -30,19 +29,28 @@ def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:
     return list(ids)
 
 
-def build_drafter(cfg: TrainConfig, target: nn.Module) -> DFlashDrafter:
-    """A fresh drafter for `target` (initialised from the torch RNG), sharing its frozen
-    embedding and lm_head, in the configured dtype and on the target's device."""
-    tconf = target.config
+def build_drafter(cfg: TrainConfig, head: TargetHead) -> DFlashDrafter:
+    """A fresh drafter for the target whose `head` it borrows (initialised from the torch RNG):
+    it shares the frozen embedding and lm_head (in the target's dtype) and lives on their device.
+    Its trainable weights are float32 whatever the target's dtype: they are the master weights
+    that bf16 training (`compute_precision`) updates, so that steps smaller than a bf16 ulp are
+    not lost."""
+    tconf = head.config
     layer_ids = resolve_layer_ids(cfg, tconf.num_hidden_layers)
     mask_token_id = resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target_path, tconf.vocab_size)
     drafter_cfg = DrafterConfig.from_target_config(
         tconf, num_layers=cfg.model.num_draft_layers, num_target_features=len(layer_ids),
         block_size=cfg.model.block_size, mask_token_id=mask_token_id,
     )
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter = DFlashDrafter(drafter_cfg, embed, head)
-    return drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    drafter = DFlashDrafter(drafter_cfg, head.embed_tokens, head.lm_head)
+    return drafter.to(device=head.embed_tokens.weight.device)
+
+
+def compute_precision(cfg: TrainConfig, device: torch.device):
+    """The context the drafter's forward and loss run in: bf16 autocast over the fp32 master
+    weights when `model.dtype` is bfloat16 (gradients, clipping and AdamW state stay fp32);
+    plain fp32 otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.model.dtype == "bfloat16")
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -93,15 +101,21 @@ class StepResult:
     num_blocks: int
 
 
-class DrafterTrainer:
-    """One drafter, its optimizer and scheduler, and the anchor RNG."""
+def anchor_seed(seed: int, rank: int) -> int:
+    """The anchor RNG's seed of drafter rank `rank`: the run's seed for rank 0 (so one drafter
+    draws what the single-process trainer draws), a distinct stream for every other rank."""
+    return seed + rank * 1_000_003
 
-    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig):
+
+class DrafterTrainer:
+    """One drafter, its optimizer and scheduler, and the anchor RNG of its rank."""
+
+    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig, rank: int = 0):
         self.drafter = drafter
         self.cfg = cfg
         self.gamma = cfg.gamma
         self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim)
-        self.anchor_generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.anchor_generator = torch.Generator().manual_seed(anchor_seed(cfg.run.seed, rank))
         self.step = 0
 
     def sample_anchors(self, loss_mask: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
@@ -147,14 +161,15 @@ class DrafterTrainer:
             last = i == len(parts) - 1
             no_sync = getattr(self.drafter, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
-                hidden = self.drafter(features[start:end], position_ids[start:end], batch.block_input_ids,
-                                      batch.block_positions, batch.attention_mask)
-                # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
-                is_scored = batch.weights > 0
-                labels, weights = batch.labels[is_scored], batch.weights[is_scored]
-                logits = self.drafter.logits(hidden[is_scored])
-                loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
-                loss.backward()
+                with compute_precision(self.cfg, device):
+                    hidden = self.drafter(features[start:end], position_ids[start:end],
+                                          batch.block_input_ids, batch.block_positions, batch.sparse_mask)
+                    # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
+                    is_scored = batch.weights > 0
+                    labels, weights = batch.labels[is_scored], batch.weights[is_scored]
+                    logits = self.drafter.logits(hidden[is_scored])
+                    loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
+                loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
             loss_sum += float(loss.detach())
             hits, count = count_correct(logits, labels, weights)
             correct, scored = correct + hits, scored + count
@@ -169,15 +184,15 @@ class DrafterTrainer:
                           int(features.shape[0]), sum(a.numel() for a in anchors))
 
     def state_dict(self) -> dict:
+        """What every drafter rank shares (DDP keeps it equal); the anchor RNG, which is each
+        rank's own, is saved per rank by the run (`dflash.train`)."""
         return {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "anchor_rng": self.anchor_generator.get_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.anchor_generator.set_state(state["anchor_rng"])

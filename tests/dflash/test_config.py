@@ -39,6 +39,7 @@ def test_example_config_is_valid_apart_from_its_target():
     ("model", {"num_draft_layers": True}, "model.num_draft_layers: expected int, got True"),
     ("model", {"target_layer_ids": [1, "x"]}, "model.target_layer_ids"),
     ("model", {"blocksize": 8}, "model: unknown key(s) blocksize"),
+    ("model", {"target_rows_per_pass": 0}, "model.target_rows_per_pass: must be >= 1, got 0"),
     ("data", {"max_length": 3}, "model.block_size: 4 does not fit in data.max_length 3"),
     ("optim", {"lr": "fast"}, "optim.lr: expected float, got 'fast'"),
     ("optim", {"warmup_ratio": 1.5}, "optim.warmup_ratio: must be in [0, 1), got 1.5"),

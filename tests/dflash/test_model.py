@@ -13,7 +13,7 @@ from dflash.config import config_from_dict
 from dflash.hidden_states import get_hidden_states_packed
 from dflash.loss import build_block_batch, dflash_loss
 from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.target import build_target_layer_ids, load_target, target_hidden_states
+from dflash.target import TargetHead, build_target_layer_ids, load_target, target_hidden_states
 from dflash.training import DrafterTrainer, build_drafter, document_groups
 
 BLOCK = 4
@@ -95,7 +95,7 @@ def test_only_draft_layers_and_fc_train(tiny_target, tiny_config, tmp_path):
     assert not any(p.requires_grad for p in target.parameters())
     target_before = {k: v.clone() for k, v in target.state_dict().items()}
     torch.manual_seed(0)
-    drafter = build_drafter(cfg, target)
+    drafter = build_drafter(cfg, TargetHead.of(target))
     trainer = DrafterTrainer(drafter, cfg)
     trainable_before = {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
 
@@ -150,7 +150,7 @@ def test_grouped_step_has_the_whole_batch_gradient(tiny_target, tiny_config, tmp
     cfg = config_from_dict(tiny_config(tmp_path, data={"max_length": 20}))
     target = load_target(tiny_target)
     torch.manual_seed(0)
-    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    trainer = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
     reference = copy.deepcopy(trainer.drafter)
     rng_state = trainer.anchor_generator.get_state()
 
@@ -180,7 +180,7 @@ def test_grouped_step_has_the_whole_batch_gradient(tiny_target, tiny_config, tmp
 def test_a_batch_without_anchors_still_takes_a_step(tiny_target, tiny_config, tmp_path):
     cfg = config_from_dict(tiny_config(tmp_path))
     target = load_target(tiny_target)
-    trainer = DrafterTrainer(build_drafter(cfg, target), cfg)
+    trainer = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
     input_ids = torch.randint(0, 100, (2, 12))
     packed = target_hidden_states(target, input_ids, torch.ones_like(input_ids), [2])
     result = trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,

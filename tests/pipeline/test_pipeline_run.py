@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,18 @@ TWO_DRAFTERS = {**PIPELINE, "drafter_workers": 2}
 
 def step_losses(events: list[dict]) -> list[float]:
     return [e["loss"] for e in events if e["event"] == "step"]
+
+
+def ragged_dataset(demo_dir: Path, path: Path) -> Path:
+    """The demo's training rows cut to random lengths (32 to 64 tokens): documents of different
+    lengths draw different numbers of anchors, so each drafter's anchor RNG ends up elsewhere."""
+    rng = random.Random(0)
+    rows = [json.loads(line) for line in (demo_dir / "data" / "train.jsonl").read_text().splitlines()]
+    with path.open("w") as f:
+        for row in rows:
+            n = rng.randint(32, len(row["input_ids"]))
+            f.write(json.dumps({key: values[:n] for key, values in row.items()}) + "\n")
+    return path
 
 
 @pytest.mark.slow
@@ -55,9 +70,17 @@ def test_pipeline_losses_equal_the_single_process_trainer_across_a_resume(write_
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_config, start_run, pid_alive):
-    run = start_run(write_config("term", optim={"total_steps": 10_000}, run={"step_delay": 0.05},
-                                 pipeline=TWO_DRAFTERS))
+def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exactly(
+        write_config, start_run, pid_alive, demo_dir, tmp_path):
+    steps = 16
+    sections = {"data": {"path": str(ragged_dataset(demo_dir, tmp_path / "ragged.jsonl"))},
+                "optim": {"total_steps": steps}, "pipeline": TWO_DRAFTERS}
+    reference = start_run(write_config("reference", **sections))
+    assert reference.wait(timeout=240) == 0, reference.log_path.read_text()[-3000:]
+    expected = step_losses(reference.events())
+    assert len(expected) == steps
+
+    run = start_run(write_config("term", run={"step_delay": 0.3}, **sections))
     # status.json follows the run: the launcher's pid, each worker running with its pid, the step.
     status = run.wait_for(lambda s: s["step"] >= 3 and s["state"] == "running"
                           and all(w["state"] == "running" for w in s["workers"].values()), timeout=180)
@@ -83,6 +106,17 @@ def test_sigterm_to_the_group_checkpoints_and_leaves_nothing_running(write_confi
     assert not any(pid_alive(pid) for pid in worker_pids)
     assert not run.group_alive()
 
+    # The checkpoint holds each drafter's random state and each resumes from its own: on documents
+    # of different lengths the losses are the uninterrupted run's, step for step.
+    stopped_at = final["step"]
+    assert 3 <= stopped_at < steps
+    assert len(load_checkpoint(latest_checkpoint(run.output_dir))[1]["rng"]) == 2
+    resumed = start_run(write_config("term", **sections))
+    assert resumed.wait(timeout=240) == 0, resumed.log_path.read_text()[-3000:]
+    resumes = [e for e in resumed.events() if e["event"] == "resume"]
+    assert [(e["step"], e["saved_ranks"]) for e in resumes] == [(stopped_at, 2)]
+    assert step_losses(events) + step_losses(resumed.events()) == expected
+
 
 @pytest.mark.slow
 def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
@@ -97,3 +131,4 @@ def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run)
     assert run.status()["state"] == "failed"
     assert not run.group_alive()
     assert time.monotonic() - started < 170
+
