@@ -30,8 +30,10 @@ from dflash.checkpoint import (
 )
 from dflash.config import ConfigError, TrainConfig, dump_config, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
+from dflash.heldout import HeldOutEvaluator
 from dflash.runtime import EventLog, StatusFile, StopSignal
 from dflash.target import load_target, target_hidden_states
+from dflash.telemetry import IntervalMeter, RunTelemetry
 from dflash.training import DrafterTrainer, build_drafter, resolve_layer_ids
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
@@ -58,6 +60,12 @@ class SingleProcessRun:
         self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
         self.trainer = DrafterTrainer(build_drafter(cfg, self.target), cfg)
         self.last_saved_step: int | None = None
+        self.meter, self.telemetry = IntervalMeter(), RunTelemetry(self.output_dir)
+        self.heldout = None
+        if cfg.data.eval_path is not None:
+            held_out = load_examples(cfg.data.eval_path, cfg.data.max_length, self.target.config.vocab_size)
+            self.heldout = HeldOutEvaluator(self.target, held_out[: cfg.data.eval_examples], self.layer_ids,
+                                            cfg.data.max_anchors, cfg.gamma)
 
     def resume(self) -> None:
         remove_partial_saves(self.output_dir)
@@ -93,6 +101,16 @@ class SingleProcessRun:
         return self.trainer.train_step(packed.features, packed.cu_seqlens, packed.position_ids,
                                        packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
 
+    def evaluate_heldout(self) -> None:
+        """Held-out loss and tau of the drafter now: logged, recorded and shown in status.json."""
+        started = time.perf_counter()
+        drafter = getattr(self.trainer.drafter, "module", self.trainer.drafter)  # unwrapped from DDP
+        fields = self.heldout(drafter).as_fields()
+        seconds = round(time.perf_counter() - started, 3)
+        self.log.emit("heldout", step=self.trainer.step, seconds=seconds, **fields)
+        self.telemetry.record("heldout", self.trainer.step, {**fields, "seconds": seconds})
+        self.status.update(heldout_loss=fields["heldout_loss"], heldout_tau=fields["heldout_tau"])
+
     def run(self) -> str:
         """Train until done, stopped, or the per-run step budget is spent; return why it ended."""
         run_cfg, total = self.cfg.run, self.cfg.optim.total_steps
@@ -111,19 +129,25 @@ class SingleProcessRun:
             started = time.perf_counter()
             result = self.train_one_step()
             steps_this_run += 1
-            tokens_per_s = result.num_tokens / max(time.perf_counter() - started, 1e-9)
+            seconds = time.perf_counter() - started
+            self.meter.add(result, seconds)
             if result.step % run_cfg.log_every == 0 or result.step == total:
-                self.log.emit("step", step=result.step, loss=result.loss, accuracy=result.accuracy,
-                              lr=result.lr, tokens_per_s=round(tokens_per_s, 1), blocks=result.num_blocks)
-                self.status.update(step=result.step, loss=result.loss, accuracy=result.accuracy,
-                                   tokens_per_s=round(tokens_per_s, 1))
-            self.log.show_progress(result.step, result.loss, tokens_per_s)
+                # Means over the steps since the last line, not the last step's figures.
+                figures = self.meter.flush()
+                self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures)
+                self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
+                self.status.update(step=result.step, loss=figures["loss"], accuracy=figures["accuracy"],
+                                   tokens_per_s=figures["tokens_per_s"])
+            self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9))
+            if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
+                self.evaluate_heldout()
             if result.step % run_cfg.save_every == 0:
                 self.save()
             self.stop.sleep(run_cfg.step_delay)
         self.status.update(state="stopping", step=self.trainer.step)
         if self.last_saved_step != self.trainer.step:
             self.save()
+        self.telemetry.close()
         return reason
 
 
