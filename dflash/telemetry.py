@@ -7,7 +7,9 @@
   the steps redone since the last checkpoint appear twice, the later line wins) and writes the same
   scalars as TensorBoard event files under `<output_dir>/tensorboard/`
   (`tensorboard --logdir <output_dir>/tensorboard`). Files are opened on the first record, so a
-  process that records nothing (a drafter rank other than 0) leaves nothing behind.
+  process that records nothing (a drafter rank other than 0) leaves nothing behind. Where the
+  `tensorboard` package is missing (a container venv without it), `warn` is told once and the run
+  goes on with metrics.jsonl alone.
 """
 
 from __future__ import annotations
@@ -83,16 +85,23 @@ def scalars(prefix: str, figures: dict) -> dict[str, float]:
 class RunTelemetry:
     """metrics.jsonl and TensorBoard event files in a run's output directory."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True):
+    def __init__(self, output_dir: str | Path, enabled: bool = True, warn=None):
         self.output_dir = Path(output_dir)
         self.enabled = enabled
+        self.warn = warn or (lambda message: None)
         self._writer = None
+        self._tensorboard_missing = False
 
     @property
     def writer(self):
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
+        """The TensorBoard writer, or None when the package is missing."""
+        if self._writer is None and not self._tensorboard_missing:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                self._tensorboard_missing = True
+                self.warn(f"no TensorBoard event files ({exc}); metrics.jsonl has the same figures")
+                return None
             self._writer = SummaryWriter(str(ensure_dir(self.output_dir / TENSORBOARD_DIR)))
         return self._writer
 
@@ -107,9 +116,12 @@ class RunTelemetry:
         with path.open("a") as f:
             f.write(line + "\n")
         path.chmod(output_mode(FILE_MODE))
+        writer = self.writer
+        if writer is None:
+            return
         for tag, value in scalars(kind, figures).items():
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
+            writer.add_scalar(tag, value, step)
+        writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:

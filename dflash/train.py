@@ -60,7 +60,9 @@ class SingleProcessRun:
         self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
         self.trainer = DrafterTrainer(build_drafter(cfg, self.target), cfg)
         self.last_saved_step: int | None = None
-        self.meter, self.telemetry = IntervalMeter(), RunTelemetry(self.output_dir)
+        self.meter = IntervalMeter()
+        self.telemetry = RunTelemetry(self.output_dir,
+                                      warn=lambda message: self.log.emit("warning", message=message))
         self.heldout = None
         if cfg.data.eval_path is not None:
             held_out = load_examples(cfg.data.eval_path, cfg.data.max_length, self.target.config.vocab_size)

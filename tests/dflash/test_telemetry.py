@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 
 import pytest
 
@@ -88,6 +89,17 @@ def test_plots_write_loss_and_tau_curves(heldout_config, tmp_path, capsys):
         assert data.startswith(b"\x89PNG") and len(data) > 1000
     assert plots_main([str(tmp_path / "nowhere"), "--out", str(out_dir)]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_without_tensorboard_the_run_warns_once_and_keeps_metrics(heldout_config, tmp_path, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the import fails
+    records = run_records(heldout_config("run", optim={"total_steps": 3}), capsys)
+    warnings = [r for r in records if r["event"] == "warning"]
+    assert len(warnings) == 1 and "no TensorBoard event files" in warnings[0]["message"]
+    assert records[-1]["event"] == "stop"
+    assert len((tmp_path / "run" / METRICS_FILE).read_text().splitlines()) == 3 + 1  # 3 steps, 1 held-out
+    assert not (tmp_path / "run" / TENSORBOARD_DIR).exists()
 
 
 class _Terminal(io.StringIO):
