@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from dflash.checkpoint import load_checkpoint
 from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.runtime import ensure_dir
+from dflash.runtime import FILE_MODE, ensure_dir, output_mode, write_file
 from dflash.target import DTYPES
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -89,7 +90,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     out_dir = ensure_dir(out_dir)
     weights = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in model_state.items()}
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.chmod(out_dir / "model.safetensors", output_mode(FILE_MODE))  # readable by the serving side
+    write_file(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     return out_dir
 
 
