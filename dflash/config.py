@@ -115,11 +115,18 @@ class DataConfig(_Section):
     max_length: int = 512
     batch_size: int = 4
     max_anchors: int = 512
+    # Held-out JSON lines (same format) for the loss and tau every run.eval_every steps; none: no
+    # held-out evaluation. Only the first eval_examples rows are used.
+    eval_path: str | None = None
+    eval_examples: int = 16
     _name = "data"
 
     def __post_init__(self) -> None:
         self._check_types()
         self._require(bool(self.path), "path", "must name a JSON-lines file")
+        self._require(self.eval_path is None or bool(self.eval_path), "eval_path",
+                      "must name a JSON-lines file or be null")
+        self._require(self.eval_examples >= 1, "eval_examples", "must be >= 1")
         self._require(self.max_length >= 2, "max_length", "must be >= 2")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
         self._require(self.max_anchors >= 1, "max_anchors", "must be >= 1")
@@ -152,6 +159,7 @@ class RunConfig(_Section):
     save_every: int = 100
     keep_checkpoints: int = 3
     log_every: int = 1
+    eval_every: int = 100  # steps between held-out evaluations (when data.eval_path is set)
     seed: int = 0
     resume: bool = True
     max_steps_per_run: int | None = None
@@ -164,6 +172,7 @@ class RunConfig(_Section):
         self._require(self.save_every >= 1, "save_every", "must be >= 1")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         self._require(self.log_every >= 1, "log_every", "must be >= 1")
+        self._require(self.eval_every >= 1, "eval_every", "must be >= 1")
         if self.max_steps_per_run is not None:
             self._require(self.max_steps_per_run >= 1, "max_steps_per_run", "must be >= 1")
         self._require(self.step_delay >= 0, "step_delay", "must be >= 0")
@@ -335,11 +344,15 @@ def check_against_target(cfg: TrainConfig) -> None:
 
 
 def check_data(cfg: TrainConfig) -> None:
-    """The training data is a file on this machine."""
-    path = Path(cfg.data.path)
-    if not path.is_file():
-        what = "a directory" if path.is_dir() else "no file"
-        raise ConfigError("data.path", f"{what} at {cfg.data.path!r} (expected a JSON-lines file)")
+    """The training data (and the held-out data, if any) are files on this machine."""
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value is None:
+            continue
+        path = Path(value)
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "no file"
+            raise ConfigError(f"data.{key}", f"{what} at {value!r} (expected a JSON-lines file)")
 
 
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:

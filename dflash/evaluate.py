@@ -5,13 +5,17 @@ tokens where loss_mask is 0 in `eval.jsonl` next to the training data, or `--dat
 per proposer:
 
 - tau, the mean acceptance length: tokens gained per verify step (accepted drafts + the target's
-  own next token), between 1 and the block size b;
+  own next token), between 1 and the block size b; only tokens the output keeps count (none past
+  `--max-new-tokens` or the end of text), so tau times the verify steps is the tokens generated
+  after the first (which the prompt's own forward pass gives);
 - the per-position acceptance rate: for draft position k, the fraction of verify steps whose first
   k drafted tokens were all accepted;
 - the verify-step count (target forward passes after the prompt's).
 
-Reference rows: the untrained drafter (same seed, no training) and the target itself as drafter
-(its own greedy continuation: every draft is accepted, tau = b, the upper bound).
+Reference rows, on the same prompts: the untrained drafter (same seed, no training), prompt lookup
+(`dflash.baselines`: copy what followed the last earlier match of the latest n-gram; no training,
+no model) and the target itself as drafter (its own greedy continuation: every draft is accepted,
+tau = b but for the budget's last step, the upper bound).
 
 One step: the anchor is the last token so far; the drafter sees the target's hidden states of every
 earlier position (as in training: context strictly before the anchor) and proposes b-1 tokens;
@@ -27,13 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dflash.baselines import Proposer, prompt_lookup_proposer
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError, load_examples
@@ -42,9 +46,6 @@ from dflash.loss import build_block_attention_mask
 from dflash.model import DFlashDrafter
 from dflash.target import TargetHead, load_target
 from dflash.training import build_drafter, resolve_layer_ids
-
-# proposer(sequence so far, context features [len(sequence) - 1, k*H]) -> b-1 draft tokens
-Proposer = Callable[[list[int], torch.Tensor], list[int]]
 
 
 @dataclass
@@ -102,11 +103,12 @@ def speculative_decode(target: nn.Module, propose: Proposer, prompt: list[int], 
         while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
             accepted += 1
         gained = drafts[:accepted] + [verified[accepted]]
+        # Only what the output keeps counts: nothing past the token budget or an end of text.
+        gained = gained[: max_new_tokens - len(generated)]
+        if eos_token_id in gained:
+            gained = gained[: gained.index(eos_token_id) + 1]
         stats.lengths.append(len(gained))
         generated += gained
-    if eos_token_id in generated:
-        generated = generated[: generated.index(eos_token_id) + 1]
-    generated = generated[:max_new_tokens]
     stats.generated_tokens += len(generated)
     return generated
 
@@ -190,6 +192,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
         proposers.append(("trained drafter", drafter_proposer(trained)))
     torch.manual_seed(cfg.run.seed)
     proposers.append(("untrained drafter", drafter_proposer(build_drafter(cfg, TargetHead.of(target)))))
+    proposers.append(("prompt lookup", prompt_lookup_proposer(block_size)))
     if include_target:
         proposers.append(("target as drafter", target_proposer(target, block_size)))
 

@@ -172,6 +172,8 @@ class Launcher:
             self.update_status(**{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
             with self.lock:
                 self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
+        elif event == "heldout":
+            self.update_status(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
         elif event in ("checkpoint", "resume"):
             path = record.get("path") or record.get("checkpoint")
             self.update_status(step=record.get("step"), last_checkpoint=path)

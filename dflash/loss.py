@@ -133,6 +133,18 @@ def count_correct(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     return int((logits.argmax(-1)[scored] == labels[scored]).sum()), int(scored.sum())
 
 
+@torch.no_grad()
+def count_correct_by_position(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                              block_offsets: torch.Tensor, block_size: int) -> tuple[list[int], list[int]]:
+    """Per block position k (0..b-1, `block_offsets` giving each row's k): (scored rows whose argmax
+    is the label, scored rows). Position 0, the anchor, is never scored."""
+    scored = weights > 0
+    offsets = block_offsets[scored]
+    hits = torch.bincount(offsets[logits.argmax(-1)[scored] == labels[scored]], minlength=block_size)
+    counts = torch.bincount(offsets, minlength=block_size)
+    return hits.tolist(), counts.tolist()
+
+
 def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> float:
     """Fraction of scored block positions whose argmax is the label (nan when none is scored)."""
     correct, scored = count_correct(logits, labels, weights)

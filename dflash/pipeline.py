@@ -27,6 +27,7 @@ still in flight and exit 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import signal as signal_module
@@ -104,7 +105,7 @@ class WorkerLog(EventLog):
         self.leader = leader
 
     def emit(self, event: str, **fields) -> None:
-        if self.leader or event not in ("step", "checkpoint", "resume"):
+        if self.leader or event not in ("step", "checkpoint", "resume", "heldout"):
             super().emit(event, **fields)
 
 
@@ -275,7 +276,13 @@ class PipelineDrafterRun(DrafterRun):
         self.ctx, self.group, self.signal = ctx, group, signal
         self.leader = ctx.role_rank == 0
         self.steps_done_here = 0
+        self.telemetry.enabled = self.leader  # one writer of metrics.jsonl and the event files
         self.started_at = time.perf_counter()
+        if self.leader and cfg.data.eval_path is not None:
+            # Drafter 0 evaluates held-out data. The target's features of those examples are computed
+            # once, by a target loaded on the CPU for that alone and freed before training starts: a
+            # drafter GPU never holds the target.
+            self.build_heldout(load_target(cfg.model.target_path, cfg.model.dtype, torch.device("cpu")))
 
     def attach(self, feed: BatchFeed, end_step: int) -> None:
         self.stop = AgreedStop(self.signal, feed, self.group, self.device,
@@ -313,8 +320,8 @@ class PipelineDrafterRun(DrafterRun):
                                device=self.device)
         dist.all_reduce(figures, group=self.group)
         n = self.ctx.num_drafters
-        return StepResult(result.step, figures[0].item() / n, figures[1].item() / n, result.lr,
-                          int(figures[2].item()), result.num_blocks)
+        return dataclasses.replace(result, loss=figures[0].item() / n, accuracy=figures[1].item() / n,
+                                   num_tokens=int(figures[2].item()))
 
 
 def run_drafter(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device: torch.device) -> str:

@@ -82,7 +82,8 @@ class StatusFile:
     def __init__(self, output_dir: str | Path, workers: dict | None = None):
         self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
-                       "last_checkpoint": None, "pid": os.getpid(), "workers": workers or {}}
+                       "heldout_loss": None, "heldout_tau": None, "last_checkpoint": None,
+                       "pid": os.getpid(), "workers": workers or {}}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)
@@ -103,6 +104,7 @@ class EventLog:
         self.stream = stream or sys.stdout
         progress = progress_stream or sys.stderr
         self.progress = progress if progress.isatty() else None
+        self._first_shown: tuple[int, float] | None = None
 
     def emit(self, event: str, **fields) -> None:
         record = {"event": event, "time": round(time.time(), 3), **{k: _finite(v) for k, v in fields.items()}}
@@ -112,13 +114,33 @@ class EventLog:
         self.stream.flush()
 
     def show_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """`[####....] step/total loss tok/s ETA` on a terminal; the ETA extrapolates the pace of
+        the steps shown since the first call (so a resumed run's earlier steps do not count)."""
         if self.progress is None:
             return
+        now = time.monotonic()
+        if self._first_shown is None:
+            self._first_shown = (step, now)
+        first_step, first_time = self._first_shown
+        eta = "--"
+        if step > first_step:
+            seconds = (self.total_steps - step) * (now - first_time) / (step - first_step)
+            eta = format_duration(seconds)
         width = 30
         done = int(width * step / max(1, self.total_steps))
         self.progress.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total_steps} "
-                            f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s")
+                            f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s ETA {eta}   ")
         self.progress.flush()
+
+
+def format_duration(seconds: float) -> str:
+    """`1h02m`, `3m05s` or `42s`."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 class StopSignal:

@@ -30,8 +30,10 @@ from dflash.checkpoint import (
 )
 from dflash.config import ConfigError, TrainConfig, dump_config, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
+from dflash.heldout import HeldOutEvaluator
 from dflash.runtime import EventLog, StatusFile, StopSignal
 from dflash.target import TargetHead, load_target, target_hidden_states
+from dflash.telemetry import IntervalMeter, RunTelemetry
 from dflash.training import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
@@ -65,6 +67,19 @@ class DrafterRun:
         random.seed(cfg.run.seed)
         self.trainer = DrafterTrainer(build_drafter(cfg, head), cfg, rank)
         self.last_saved_step: int | None = None
+        self.meter = IntervalMeter()
+        self.telemetry = RunTelemetry(self.output_dir,
+                                      warn=lambda message: self.log.emit("warning", message=message))
+        self.vocab_size = head.config.vocab_size
+        self.heldout = None
+
+    def build_heldout(self, target) -> None:
+        """Held-out evaluation of the config's `data.eval_path` (if any): the target's features of
+        those examples are computed once, here, by `target` (the run's own, or one loaded for this)."""
+        cfg = self.cfg
+        held_out = load_examples(cfg.data.eval_path, cfg.data.max_length, self.vocab_size)
+        self.heldout = HeldOutEvaluator(target, held_out[: cfg.data.eval_examples], self.layer_ids,
+                                        cfg.data.max_anchors, cfg.gamma)
 
     def random_state(self) -> dict:
         """This rank's random state: its anchor RNG and the process RNGs."""
@@ -111,6 +126,16 @@ class DrafterRun:
     def train_one_step(self) -> StepResult:
         raise NotImplementedError
 
+    def evaluate_heldout(self) -> None:
+        """Held-out loss and tau of the drafter now: logged, recorded and shown in status.json."""
+        started = time.perf_counter()
+        drafter = getattr(self.trainer.drafter, "module", self.trainer.drafter)  # unwrapped from DDP
+        fields = self.heldout(drafter).as_fields()
+        seconds = round(time.perf_counter() - started, 3)
+        self.log.emit("heldout", step=self.trainer.step, seconds=seconds, **fields)
+        self.telemetry.record("heldout", self.trainer.step, {**fields, "seconds": seconds})
+        self.status.update(heldout_loss=fields["heldout_loss"], heldout_tau=fields["heldout_tau"])
+
     def run(self) -> str:
         """Train until done, stopped, or the per-run step budget is spent; return why it ended."""
         run_cfg, total = self.cfg.run, self.cfg.optim.total_steps
@@ -129,19 +154,25 @@ class DrafterRun:
             started = time.perf_counter()
             result = self.train_one_step()
             steps_this_run += 1
-            tokens_per_s = result.num_tokens / max(time.perf_counter() - started, 1e-9)
+            seconds = time.perf_counter() - started
+            self.meter.add(result, seconds)
             if result.step % run_cfg.log_every == 0 or result.step == total:
-                self.log.emit("step", step=result.step, loss=result.loss, accuracy=result.accuracy,
-                              lr=result.lr, tokens_per_s=round(tokens_per_s, 1), blocks=result.num_blocks)
-                self.status.update(step=result.step, loss=result.loss, accuracy=result.accuracy,
-                                   tokens_per_s=round(tokens_per_s, 1))
-            self.log.show_progress(result.step, result.loss, tokens_per_s)
+                # Means over the steps since the last line, not the last step's figures.
+                figures = self.meter.flush()
+                self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures)
+                self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
+                self.status.update(step=result.step, loss=figures["loss"], accuracy=figures["accuracy"],
+                                   tokens_per_s=figures["tokens_per_s"])
+            self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9))
+            if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
+                self.evaluate_heldout()
             if result.step % run_cfg.save_every == 0:
                 self.save()
             self.stop.sleep(run_cfg.step_delay)
         self.status.update(state="stopping", step=self.trainer.step)
         if self.last_saved_step != self.trainer.step:
             self.save()
+        self.telemetry.close()
         return reason
 
 
@@ -151,6 +182,8 @@ class SingleProcessRun(DrafterRun):
     def __init__(self, cfg: TrainConfig, status: StatusFile, log: EventLog, stop: StopSignal):
         self.target = load_target(cfg.model.target_path, cfg.model.dtype, resolve_device(cfg.pipeline.device))
         super().__init__(cfg, status, log, stop, TargetHead.of(self.target))
+        if cfg.data.eval_path is not None:
+            self.build_heldout(self.target)
 
     def train_one_step(self) -> StepResult:
         batch = collate([self.examples[i] for i in self.order.next_batch()])

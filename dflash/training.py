@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash.config import OptimConfig, TrainConfig
-from dflash.loss import build_block_batch, count_correct, dflash_loss, sample_anchors
+from dflash.loss import build_block_batch, count_correct_by_position, dflash_loss, sample_anchors
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import TargetHead, build_target_layer_ids, resolve_mask_token_id
 
@@ -99,6 +99,10 @@ class StepResult:
     lr: float            # the learning rate this step used
     num_tokens: int      # real (context) tokens in the batch
     num_blocks: int
+    grad_norm: float = math.nan  # before clipping
+    # Per block position 0..b-1: scored predictions equal to the label, and scored predictions.
+    position_hits: list[int] = field(default_factory=list)
+    position_counts: list[int] = field(default_factory=list)
 
 
 def anchor_seed(seed: int, rank: int) -> int:
@@ -154,7 +158,8 @@ class DrafterTrainer:
 
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, correct, scored = 0.0, 0, 0
+        loss_sum = 0.0
+        hits_by_position, counts_by_position = [0] * dcfg.block_size, [0] * dcfg.block_size
         for i, (start, end, batch) in enumerate(parts):
             # Under DDP only the last pass synchronises, so that every rank all-reduces once a step
             # however many groups its batch has.
@@ -171,17 +176,22 @@ class DrafterTrainer:
                     loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
                 loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
             loss_sum += float(loss.detach())
-            hits, count = count_correct(logits, labels, weights)
-            correct, scored = correct + hits, scored + count
+            offsets = torch.arange(is_scored.numel(), device=device) % dcfg.block_size
+            hits, counts = count_correct_by_position(logits, labels, weights, offsets[is_scored],
+                                                     dcfg.block_size)
+            hits_by_position = [a + b for a, b in zip(hits_by_position, hits, strict=True)]
+            counts_by_position = [a + b for a, b in zip(counts_by_position, counts, strict=True)]
         lr = self.scheduler.get_last_lr()[0]
-        torch.nn.utils.clip_grad_norm_(
+        grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
         )
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return StepResult(self.step, loss_sum, correct / scored if scored else math.nan, lr,
-                          int(features.shape[0]), sum(a.numel() for a in anchors))
+        scored = sum(counts_by_position)
+        return StepResult(self.step, loss_sum, sum(hits_by_position) / scored if scored else math.nan, lr,
+                          int(features.shape[0]), sum(a.numel() for a in anchors), float(grad_norm),
+                          hits_by_position, counts_by_position)
 
     def state_dict(self) -> dict:
         """What every drafter rank shares (DDP keeps it equal); the anchor RNG, which is each

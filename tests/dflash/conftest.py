@@ -58,6 +58,12 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
+@pytest.fixture(scope="session")
+def tiny_eval_dataset(tmp_path_factory) -> Path:
+    """Held-out rows of the same toy language (another seed)."""
+    return write_dataset(tmp_path_factory.mktemp("data") / "eval.jsonl", n_rows=4, seed=1)
+
+
 def _tiny_config_dict(target_path: Path, data_path: Path, output_dir: Path, **sections) -> dict:
     raw = {
         "model": {"target_path": str(target_path), "num_draft_layers": 1, "block_size": 4,

@@ -14,6 +14,7 @@ from dflash.loss import (
     block_accuracy,
     build_block_attention_mask,
     build_block_batch,
+    count_correct_by_position,
     dflash_loss,
     loss_decay,
     sample_anchors,
@@ -138,3 +139,12 @@ def test_lr_warms_up_then_decays_to_zero():
     assert values[4] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
     assert values[20] == pytest.approx(0.0)
+
+
+def test_correct_predictions_are_counted_per_block_position():
+    labels = torch.tensor([1, 2, 3, 1, 2, 3])
+    offsets = torch.tensor([1, 2, 3, 1, 2, 3])          # each row's position in its block
+    weights = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # the last row is not scored
+    logits = F.one_hot(torch.tensor([1, 0, 3, 1, 2, 0]), 4).float()
+    hits, counts = count_correct_by_position(logits, labels, weights, offsets, block_size=4)
+    assert hits == [0, 2, 1, 1] and counts == [0, 2, 2, 1]

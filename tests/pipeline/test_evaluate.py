@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.checkpoint import latest_checkpoint, load_drafter
 from dflash.config import load_config
-from dflash.evaluate import AcceptanceStats, eval_prompts, speculative_decode, target_proposer
+from dflash.data import load_examples
+from dflash.evaluate import (
+    AcceptanceStats,
+    drafter_proposer,
+    eval_prompts,
+    speculative_decode,
+    target_proposer,
+)
+from dflash.heldout import HeldOutEvaluator
 from dflash.target import load_target
 from dflash.training import resolve_layer_ids
 
@@ -50,10 +59,12 @@ def test_decoding_equals_greedy_whatever_the_drafts(demo_target):
                                   max_new, None, perfect) == reference
         assert speculative_decode(target, wrong_drafts, prompt, layer_ids, block, max_new, None,
                                   hopeless) == reference
-        # Every draft of the target itself is accepted (b tokens a step); none of the wrong ones.
-        assert perfect.lengths == [block] * len(perfect.lengths) and perfect.tau == block
+        # Every draft of the target itself is accepted (b tokens a step) but the last step's, cut to
+        # the budget: tau counts only the tokens the output keeps; none of the wrong drafts is accepted.
+        assert perfect.lengths == [block, block, block, 1] and sum(perfect.lengths) == max_new - 1
+        assert perfect.tau == (3 * block + 1) / 4 and perfect.generated_tokens == max_new
         assert hopeless.tau == 1.0 and hopeless.verify_steps == max_new - 1
-        assert perfect.acceptance_by_position() == [1.0] * (block - 1)
+        assert perfect.acceptance_by_position() == [0.75] * (block - 1)
         assert hopeless.acceptance_by_position() == [0.0] * (block - 1)
 
 
@@ -73,6 +84,24 @@ def test_trained_drafter_reaches_a_higher_tau(write_config, start_run):
     trained, untrained = rows["trained drafter"]["tau"], rows["untrained drafter"]["tau"]
     assert trained > 1.3 and trained > untrained + 0.25, rows
     assert rows["trained drafter"]["acceptance_by_position"][0] > 0.2
+    # Same prompts for every row: each generates the same (greedy) tokens, in its own number of steps.
+    assert len({row["generated_tokens"] for row in rows.values()}) == 1
+    assert 1.0 < rows["prompt lookup"]["tau"] <= 8.0
+
+    # The held-out replay gives the decoding's tau on the same rows without running the target again.
+    cfg = load_config(config)
+    target = load_target(cfg.model.target_path)
+    drafter, layer_ids = load_drafter(latest_checkpoint(run.output_dir), target)
+    examples = load_examples(Path(cfg.data.path).with_name("eval.jsonl"), cfg.data.max_length)
+    replayed = HeldOutEvaluator(target, examples[:3], layer_ids, cfg.data.max_anchors, cfg.gamma)(drafter)
+    decoded = AcceptanceStats("decoded", cfg.model.block_size)
+    eos = target.generation_config.eos_token_id
+    for example in examples[:3]:
+        mask = example.loss_mask.tolist()
+        prompt = example.input_ids[: mask.index(1)].tolist()
+        speculative_decode(target, drafter_proposer(drafter), prompt, layer_ids, cfg.model.block_size,
+                           len(mask) - len(prompt), eos, decoded)
+    assert replayed.stats.lengths == decoded.lengths and replayed.stats.tau > 1.0
 
 
 def test_evaluate_reports_bad_input_without_a_traceback(demo_dir, tmp_path):

@@ -1,0 +1,116 @@
+"""Held-out loss and acceptance length during training, cheap enough to compute every few hundred steps.
+
+The held-out examples' target features are computed once (the target is frozen). Each evaluation
+is then drafter passes only: a block at every response position (in chunks of `data.max_anchors`
+blocks, the memory bound of a training step), which gives
+
+- the loss: the training loss (same weights) over those blocks;
+- tau and the acceptance by draft position of greedy speculative decoding replayed on the response:
+  from the response's first token, each step accepts the drafts that equal the response's next
+  tokens, gains them plus one, and moves on. When the held-out responses are the target's own greedy
+  output (as regenerated data is with greedy decoding) this is exactly what `dflash.evaluate` measures
+  with the response length as the token budget, without running the target again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash.data import Example, collate
+from dflash.evaluate import AcceptanceStats
+from dflash.loss import build_block_batch, dflash_loss
+from dflash.model import DFlashDrafter
+from dflash.target import target_hidden_states
+
+
+@dataclass
+class HeldOutDocument:
+    features: torch.Tensor   # [L, k*H] target features of the example
+    input_ids: torch.Tensor  # [L]
+    loss_mask: torch.Tensor  # [L]
+    response_start: int      # first response (loss_mask 1) position
+
+
+@dataclass
+class HeldOutResult:
+    loss: float
+    stats: AcceptanceStats
+
+    def as_fields(self) -> dict:
+        return {"heldout_loss": self.loss, "heldout_tau": round(self.stats.tau, 4),
+                "heldout_acceptance_by_position": [round(r, 4) for r in self.stats.acceptance_by_position()]}
+
+
+def replay_acceptance(tokens: list[int], start: int, drafts_at: dict[int, list[int]]) -> list[int]:
+    """Tokens gained per verify step when decoding reproduces `tokens` from position `start` (the
+    first generated token) to its end, with `drafts_at[a]` the b-1 drafts of anchor position a."""
+    lengths = []
+    anchor, last = start, len(tokens) - 1
+    while anchor < last:
+        drafts = drafts_at[anchor]
+        accepted = 0
+        while (accepted < len(drafts) and anchor + 1 + accepted <= last
+               and drafts[accepted] == tokens[anchor + 1 + accepted]):
+            accepted += 1
+        gained = min(accepted + 1, last - anchor)
+        lengths.append(gained)
+        anchor += gained
+    return lengths
+
+
+class HeldOutEvaluator:
+    """The held-out figures of a drafter on `examples` (those with a prompt and a response)."""
+
+    def __init__(self, target: nn.Module, examples: list[Example], layer_ids: list[int], max_anchors: int,
+                 gamma: float):
+        self.max_anchors, self.gamma = max_anchors, gamma
+        self.documents: list[HeldOutDocument] = []
+        for example in examples:
+            mask = example.loss_mask.tolist()
+            if 1 not in mask or mask.index(1) == 0 or mask.index(1) >= len(mask) - 1:
+                continue  # no prompt, or nothing to draft after the response's first token
+            batch = collate([example])
+            device = target.get_input_embeddings().weight.device
+            packed = target_hidden_states(target, batch["input_ids"].to(device),
+                                          batch["attention_mask"].to(device), layer_ids)
+            self.documents.append(HeldOutDocument(packed.features, example.input_ids, example.loss_mask,
+                                                  mask.index(1)))
+        if not self.documents:
+            raise ValueError("no held-out example has both a prompt and a response of two tokens or more")
+
+    @torch.no_grad()
+    def __call__(self, drafter: DFlashDrafter) -> HeldOutResult:
+        was_training = drafter.training
+        drafter.eval()
+        block_size = drafter.cfg.block_size
+        stats = AcceptanceStats("held-out", block_size)
+        weighted_ce, total_weight = 0.0, 0.0
+        for doc in self.documents:
+            device = drafter.fc.weight.device
+            length = doc.input_ids.numel()
+            anchors = torch.arange(doc.response_start, length - 1)
+            cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
+            positions = torch.arange(length, device=device)
+            drafts_at: dict[int, list[int]] = {}
+            for chunk in anchors.split(self.max_anchors):
+                batch = build_block_batch(doc.input_ids.to(device), doc.loss_mask.to(device), cu_seqlens,
+                                          positions, [chunk], block_size, drafter.cfg.mask_token_id,
+                                          self.gamma)
+                hidden = drafter(doc.features.to(device), positions, batch.block_input_ids,
+                                 batch.block_positions, batch.attention_mask)
+                logits = drafter.logits(hidden)
+                weight = float(batch.weights.sum())
+                if weight > 0:
+                    weighted_ce += float(dflash_loss(logits, batch.labels, batch.weights)) * weight
+                    total_weight += weight
+                predicted = logits.argmax(-1).view(-1, block_size)[:, 1:].tolist()
+                drafts_at.update(zip(chunk.tolist(), predicted, strict=True))
+            lengths = replay_acceptance(doc.input_ids.tolist(), doc.response_start, drafts_at)
+            stats.lengths += lengths
+            stats.generated_tokens += 1 + sum(lengths)
+        drafter.train(was_training)
+        loss = weighted_ce / total_weight if total_weight else float("nan")
+        return HeldOutResult(loss, stats)

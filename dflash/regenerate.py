@@ -1,0 +1,271 @@
+"""Training data from a prompt set, answered by the target itself:
+`python -m dflash.data regenerate --target DIR --prompts PROMPTS.jsonl --out TRAIN.jsonl`.
+
+A drafter learns to predict the target, so its training responses are the target's own (the
+paper regenerates every response). Each prompt line is a chat, `{"messages": [{"role", "content"},
+...]}` or the bare list; a trailing assistant message is dropped (its answer is what is regenerated).
+The chat goes through the target tokenizer's chat template with the generation prompt, the target
+answers in batches (left-padded; greedy, or sampled with `--temperature`/`--top-p`), and each row
+of the output is `{"id": <prompt line index>, "input_ids": chat + response, "loss_mask": 0 on the
+chat, 1 on the response}`, the format `dflash.train` reads. A response ends with the first end of
+text (kept) or after `--max-new-tokens`.
+
+Resumable: rows go to `<out>.part-<r>` as each batch finishes; a second call skips the prompts that
+have a row (in the parts or in `<out>`), then writes `<out>` (every row, by id) atomically and
+removes the parts. A line cut short by a kill is dropped. With `--device cuda` each visible GPU runs
+one replica of the target on every n-th prompt; on CPU (`--replicas`, default 1) the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.target import DTYPES, load_target
+
+
+class PromptError(ValueError):
+    """A prompt line is not a chat."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("max_new_tokens and batch_size must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], "
+                             f"got {self.temperature} and {self.top_p}")
+
+
+def _is_message(message) -> bool:
+    return (isinstance(message, dict) and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str))
+
+
+def read_chats(path: str | Path) -> list[list[dict]]:
+    """The chat of each line of `path` (blank lines count, so ids stay line indices), without a
+    trailing assistant message."""
+    chats = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            chats.append([])
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise PromptError(f"{path}:{line_no}: not JSON ({exc})") from exc
+        messages = row.get("messages") if isinstance(row, dict) else row
+        if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
+            raise PromptError(f"{path}:{line_no}: expected a list of messages with string role and content, "
+                              "or an object with one under messages")
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        chats.append(messages)
+    return chats
+
+
+def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings, eos_id: int | None,
+                   pad_id: int) -> list[list[int]]:
+    """The target's response to each prompt (token ids), generated together, left-padded."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention[row, width - len(prompt):] = 1
+    device = model.get_input_embeddings().weight.device
+    sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p} \
+        if settings.temperature > 0 else {"do_sample": False}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                             max_new_tokens=settings.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                             **sampling)
+    responses = []
+    for row in out[:, width:].tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id) + 1]
+        responses.append(row)
+    return responses
+
+
+def _read_rows(path: Path) -> dict[int, dict]:
+    """Complete rows of an output or part file by id; a last line cut short is dropped."""
+    rows: dict[int, dict] = {}
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            rows[int(row["id"])] = row
+        except (ValueError, KeyError, TypeError):
+            continue
+    return rows
+
+
+def _part_path(out: Path, replica: int) -> Path:
+    return out.with_name(f"{out.name}.part-{replica}")
+
+
+def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
+                dtype: str, settings: GenerationSettings, max_length: int, progress: bool) -> dict:
+    """Answer the prompts `replica::replicas` that have no row yet; returns counts."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    out_path = Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+    if not tokenizer.chat_template:
+        raise PromptError(f"the tokenizer at {target_path} has no chat template")
+    chats = read_chats(prompts_path)
+    part = _part_path(out_path, replica)
+    done = set(_read_rows(out_path)) | set(_read_rows(part))
+    todo, too_long = [], 0
+    for index in range(replica, len(chats), replicas):
+        if index in done or not chats[index]:
+            continue
+        prompt = list(tokenizer.apply_chat_template(chats[index], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+        if len(prompt) >= max_length:
+            too_long += 1
+            continue
+        todo.append((index, prompt))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    model = load_target(target_path, dtype, device)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = eos[0] if isinstance(eos, list) else eos
+    eos = tokenizer.eos_token_id if eos is None else eos
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    bar = tqdm(total=len(todo), desc=f"replica {replica}", position=replica, disable=not progress,
+               unit="prompt")
+    # Rows that lost their line end to a kill are dropped on reading; rewrite the part without them.
+    kept = _read_rows(part)
+    part.write_text("".join(json.dumps(row) + "\n" for row in kept.values()))
+    with part.open("a") as sink:
+        for first in range(0, len(todo), settings.batch_size):
+            batch = todo[first: first + settings.batch_size]
+            torch.manual_seed(settings.seed + batch[0][0])
+            budget = min(settings.max_new_tokens, max_length - max(len(p) for _, p in batch))
+            responses = generate_batch(model, [p for _, p in batch],
+                                       GenerationSettings(budget, settings.batch_size, settings.temperature,
+                                                          settings.top_p, settings.seed), eos, pad)
+            for (index, prompt), response in zip(batch, responses, strict=True):
+                sink.write(json.dumps({"id": index, "input_ids": prompt + response,
+                                       "loss_mask": [0] * len(prompt) + [1] * len(response)}) + "\n")
+            sink.flush()
+            os.fsync(sink.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return {"generated": len(todo), "skipped_done": len(done & set(range(replica, len(chats), replicas))),
+            "skipped_too_long": too_long}
+
+
+def _replica_entry(replica: int, *args) -> None:
+    run_replica(replica, *args)
+
+
+def merge(out: str | Path, replicas: int) -> int:
+    """Write every row (from `out` and the parts) to `out` by id, atomically; remove the parts."""
+    out = Path(out)
+    rows = _read_rows(out)
+    parts = [_part_path(out, r) for r in range(replicas)]
+    for part in parts:
+        rows.update(_read_rows(part))
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(json.dumps(rows[i]) + "\n" for i in sorted(rows)))
+    tmp.replace(out)
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return len(rows)
+
+
+def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings, device: str = "cpu",
+               replicas: int = 1, dtype: str = "float32", max_length: int = 4096,
+               progress: bool = False) -> dict:
+    """Regenerate the responses of `prompts` with `replicas` target replicas; returns a summary."""
+    started = time.monotonic()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    read_chats(prompts)  # bad prompts fail here, before any model is loaded
+    args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress)
+    if replicas == 1:
+        counts = run_replica(0, *args)
+    else:
+        import torch.multiprocessing as mp
+
+        devices = [f"cuda:{r}" for r in range(replicas)] if device == "cuda" else ["cpu"] * replicas
+        processes = []
+        context = mp.get_context("spawn")
+        for replica in range(replicas):
+            replica_args = (replicas, target, prompts, out, devices[replica], dtype, settings, max_length,
+                            progress)
+            process = context.Process(target=_replica_entry, args=(replica, *replica_args))
+            process.start()
+            processes.append(process)
+        for process in processes:
+            process.join()
+        failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"replicas {failed} failed; their finished rows are kept, run again to resume")
+        counts = {}
+    total = merge(out, replicas)
+    return {**counts, "rows": total, "replicas": replicas, "seconds": round(time.monotonic() - started, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.data regenerate",
+        description="Answer a prompt set with the target (its chat template, its own responses) and write "
+                    "the training JSON lines, loss_mask 1 on the responses. Resumable: run it again after "
+                    "a stop and it skips the prompts already answered.",
+    )
+    parser.add_argument("--target", required=True, help="the target model directory (with its tokenizer)")
+    parser.add_argument("--prompts", required=True,
+                        help='JSON lines, each {"messages": [{"role": "user", "content": "..."}, ...]} or '
+                             "the bare list; a last assistant message is replaced by the target's answer")
+    parser.add_argument("--out", required=True, help="the training JSON lines to write")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
+    parser.add_argument("--max-length", type=int, default=4096,
+                        help="prompt + response limit; longer prompts are skipped (default 4096)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts answered together (default 8)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when sampling (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default) or cuda: one target replica per visible GPU")
+    parser.add_argument("--replicas", type=int,
+                        help="target replicas (default: 1 on cpu, every visible GPU on cuda)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")
+    parser.add_argument("--threads", type=int, help="torch threads per replica on cpu")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    replicas = args.replicas or (torch.cuda.device_count() if args.device == "cuda" else 1)
+    try:
+        if args.device == "cuda" and not 1 <= replicas <= torch.cuda.device_count():
+            raise ValueError(f"--device cuda: {replicas} replicas for {torch.cuda.device_count()} "
+                             "visible GPUs")
+        if replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        settings = GenerationSettings(args.max_new_tokens, args.batch_size, args.temperature, args.top_p,
+                                      args.seed)
+        summary = regenerate(args.target, args.prompts, args.out, settings, args.device, replicas, args.dtype,
+                             args.max_length, progress=sys.stderr.isatty())
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "regenerated", "out": args.out, **summary}))
+    return 0

@@ -1,0 +1,143 @@
+"""Export for serving: the directory reloads into the checkpoint's drafter bit for bit, and a
+DFlashDraftModel-shaped stack built from transformers' own Qwen3 parts loads it strictly and gives
+the same block logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from dflash.checkpoint import latest_checkpoint, load_drafter
+from dflash.config import config_from_dict
+from dflash.export import load_export
+from dflash.export import main as export_main
+from dflash.loss import build_block_attention_mask
+from dflash.target import load_target
+from dflash.train import run_single_process
+
+
+class ReferenceAttention(nn.Module):
+    """DFlashDraftModel's attention: queries from the block, keys/values from [context; block]."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim, h = config.head_dim, config.hidden_size
+        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.q_proj = nn.Linear(h, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, h, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, block, context, cos, sin):
+        q_len, kv_len = block.shape[1], context.shape[1] + block.shape[1]
+        q = self.q_norm(self.q_proj(block).view(1, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = torch.cat([self.k_proj(context), self.k_proj(block)], dim=1).view(1, kv_len, -1, self.head_dim)
+        v = torch.cat([self.v_proj(context), self.v_proj(block)], dim=1).view(1, kv_len, -1, self.head_dim)
+        k, v = self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+        k = k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v)  # not causal: the block sees itself and the context
+        return self.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
+
+
+class ReferenceLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = ReferenceAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, block, context, cos, sin):
+        block = block + self.self_attn(self.input_layernorm(block), context, cos, sin)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+class ReferenceDrafter(nn.Module):
+    """Module names and forward of DFlashDraftModel, from the exported config alone."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        n_features = len(config.dflash_config["target_layer_ids"])
+        self.layers = nn.ModuleList(ReferenceLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(n_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def forward(self, target_hidden, noise_embedding, position_ids):
+        context = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        block = noise_embedding
+        for layer in self.layers:
+            block = layer(block, context, cos, sin)
+        return self.norm(block)
+
+
+@pytest.fixture
+def exported(tiny_config, tiny_target, tmp_path, capsys):
+    raw = tiny_config(tmp_path / "run", model={"num_draft_layers": 2, "block_size": 4},
+                      optim={"total_steps": 3})
+    assert run_single_process(config_from_dict(raw)) == 0
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == str(out)
+    return latest_checkpoint(tmp_path / "run"), out, load_target(tiny_target)
+
+
+def block_inputs(target, drafter_cfg, n_context: int = 11):
+    torch.manual_seed(1)
+    context = torch.randn(n_context, drafter_cfg.num_target_features * drafter_cfg.hidden_size)
+    block_ids = torch.full((drafter_cfg.block_size,), drafter_cfg.mask_token_id)
+    block_ids[0] = 7
+    positions = torch.arange(n_context + drafter_cfg.block_size)
+    return context, block_ids, positions
+
+
+def test_the_export_reloads_to_the_checkpoints_block_logits_exactly(exported):
+    checkpoint, out, target = exported
+    trained, layer_ids = load_drafter(checkpoint, target)
+    reloaded, exported_ids = load_export(out, target)
+    assert exported_ids == layer_ids and reloaded.cfg == trained.cfg
+    context, block_ids, positions = block_inputs(target, trained.cfg)
+    n = context.shape[0]
+    mask = build_block_attention_mask(torch.zeros(n, dtype=torch.long), positions[:n],
+                                      torch.zeros(1, dtype=torch.long), torch.tensor([n]),
+                                      trained.cfg.block_size)
+    with torch.no_grad():
+        want = trained.logits(trained(context, positions[:n], block_ids, positions[n:], mask))
+        got = reloaded.logits(reloaded(context, positions[:n], block_ids, positions[n:], mask))
+    assert torch.equal(got, want)
+
+    # The same logits from a DFlashDraftModel-shaped stack of transformers' Qwen3 parts that knows
+    # only config.json and loads model.safetensors strictly by name.
+    config = Qwen3Config.from_pretrained(out)
+    assert config.architectures == ["DFlashDraftModel"] and config.num_hidden_layers == 2
+    assert config.dflash_config == {"block_size": 4, "mask_token_id": trained.cfg.mask_token_id,
+                                    "target_layer_ids": layer_ids}
+    assert config.num_target_layers == target.config.num_hidden_layers and config.is_causal is False
+    reference = ReferenceDrafter(config)
+    reference.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
+    with torch.no_grad():
+        embedded = target.get_input_embeddings()(block_ids)[None]
+        hidden = reference(context[None], embedded, positions[None])
+        reference_logits = target.get_output_embeddings()(hidden)[0]
+    torch.testing.assert_close(reference_logits, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(reference_logits.argmax(-1), want.argmax(-1))
+
+
+def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
