@@ -5,8 +5,10 @@ every write lands in the container's own delta dir. The container has its own PI
 hostname and cgroup (`/pvesim-<tag>/lxc/<vmid>/ns` as the node sees it in /proc/<pid>/cgroup, so the
 `/lxc/<vmid>/` part matches real Proxmox), and runs pvesim-init, which reaps orphans.
 
-Files that exist only in the container's layer: the simulated nvidia-smi and its GPU list, the init,
-/etc/hostname, its own /root, and a whiteout hiding the node's /usr/sbin/pct.
+Files that exist only in the container's layer: the simulated nvidia-smi and its config, the init,
+/etc/hostname, its own /root, and a whiteout hiding the node's /usr/sbin/pct. The node's GPU state
+(nodes/<node>/gpu/) is bound in read-only: nvidia-smi reads the node's physical GPUs from it, and
+which of them this container's config passed through when `pct start` started it.
 """
 
 import hashlib
@@ -27,6 +29,9 @@ INIT_PATH = "/usr/sbin/pvesim-init"
 NVIDIA_SMI_PATH = "/usr/bin/nvidia-smi"
 NVIDIA_SMI_CONFIG = "/etc/pvesim/nvidia-smi.json"
 HOST_PROC_VIEW = "/run/pvesim/hostproc"  # read-only view of the node's /proc, for host PIDs
+NODE_GPU_VIEW = "/run/pvesim/nodegpu"  # read-only view of the node's GPU state directory
+# The devices of a node with GPUs besides /dev/nvidia<N>: the driver's control device and CUDA's.
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
 def cgroup_base(tag, vmid):
@@ -43,40 +48,48 @@ def node_gpus(tag, node_name, count):
     return gpus
 
 
-def node_gpu_config(tag, gpus, vmids):
-    """nvidia-smi on the node: every process of the node's containers, found by cgroup in /proc."""
-    return json.dumps({"proc": "/proc", "gpus": gpus, "cgroups": [cgroup_base(tag, v) for v in vmids]})
+def node_devices(gpus):
+    """The NVIDIA device nodes a node with these GPUs has."""
+    return [f"/dev/nvidia{g['index']}" for g in gpus] + (list(CONTROL_DEVICES) if gpus else [])
 
 
-def container_gpu_config(gpus):
-    """nvidia-smi in a container: the processes of its own PID namespace, read from the host's /proc."""
-    return json.dumps({"proc": HOST_PROC_VIEW, "gpus": gpus, "pidns": "self"})
+def node_gpu_state(state_dir, node_name, gpus, compute_apps):
+    """The node's GPU state as `pvesim up` writes it (no container running yet); pct start and stop
+    record each container's passed-through GPUs and PID namespace in `containers`."""
+    return json.dumps({"state_dir": str(state_dir), "node": node_name, "compute_apps": compute_apps,
+                       "host_pidns": os.readlink("/proc/self/ns/pid"), "gpus": gpus,
+                       "devices": node_devices(gpus), "containers": {}})
 
 
-def proxmox_config(vmid, gpu_count):
-    """The container's Proxmox config (what /etc/pve/nodes/<node>/lxc/<vmid>.conf holds)."""
+def container_gpu_config(vmid):
+    """nvidia-smi in a container: the GPUs passed through to it, read from the node's state; processes
+    from the host's /proc (its PIDs are mapped to the container's own)."""
+    return json.dumps({"state": f"{NODE_GPU_VIEW}/state.json", "proc": HOST_PROC_VIEW, "vmid": vmid})
+
+
+def proxmox_config(vmid, gpu_indices, hostname=None):
+    """The container's Proxmox config (what /etc/pve/nodes/<node>/lxc/<vmid>.conf holds), passing the
+    node's GPUs `gpu_indices` through as PVE 8.1+ does (devN entries)."""
     lines = ["arch: amd64", "cores: 2"]
-    devices = [f"/dev/nvidia{i}" for i in range(gpu_count)]
-    if gpu_count:
-        devices += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    devices = [f"/dev/nvidia{i}" for i in gpu_indices]
+    if devices:
+        devices += list(CONTROL_DEVICES)
     lines += [f"dev{i}: {path}" for i, path in enumerate(devices)]
+    lines += ["features: nesting=1"]
+    lines += [f"hostname: {hostname or f'ct{vmid}'}"]
     lines += [
-        "features: nesting=1",
-        f"hostname: ct{vmid}",
         "memory: 8192",
         "ostype: debian",
         f"rootfs: local:{vmid}/vm-{vmid}-disk-0.raw,size=32G",
         "swap: 0",
     ]
-    if gpu_count:
-        lines += ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
     return "".join(f"{line}\n" for line in lines)
 
 
-def lxc_config(tag, vmid, delta):
+def lxc_config(tag, vmid, delta, gpu_dir, hostname):
     return f"""\
 # LXC container {vmid} of pvesim (written by pvesim)
-lxc.uts.name = ct{vmid}
+lxc.uts.name = {hostname}
 lxc.rootfs.path = overlay:/:{delta}
 lxc.net.0.type = empty
 lxc.mount.auto = proc:mixed sys:ro cgroup:mixed
@@ -93,6 +106,7 @@ lxc.mount.entry = tmpfs tmp tmpfs rw,nosuid,nodev,mode=1777 0 0
 lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0
 lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0
 lxc.mount.entry = /proc {HOST_PROC_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
+lxc.mount.entry = {gpu_dir} {NODE_GPU_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
 """ + "".join(f"lxc.mount.entry = {p} {p.lstrip('/')} none bind,ro,create=dir 0 0\n"
             for p in _hidden_controller_paths())
 
@@ -144,17 +158,16 @@ def _whiteout(delta, path):
         os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
-def write_container(node_files, tag, vmid, gpus):
-    """Write the container's LXC config, its Proxmox config and the files of its own layer."""
+def write_lxc(node_files, tag, vmid, hostname):
+    """Write the container's LXC config and the files of its own layer (what `pct create` makes)."""
     ct_dir = node_files.lxcpath / str(vmid)
     delta = ct_dir / "delta"
     delta.mkdir(parents=True, exist_ok=True)
-    (ct_dir / "config").write_text(lxc_config(tag, vmid, delta))
-    (node_files.pve_confdir / f"{vmid}.conf").write_text(proxmox_config(vmid, len(gpus)))
+    (ct_dir / "config").write_text(lxc_config(tag, vmid, delta, node_files.gpu_dir, hostname))
     _put(delta, INIT_PATH, (PACKAGE_BIN / "pvesim-init").read_bytes(), 0o755)
     _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
-    _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(gpus).encode(), 0o644)
-    _put(delta, "/etc/hostname", f"ct{vmid}\n".encode(), 0o644)
+    _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(vmid).encode(), 0o644)
+    _put(delta, "/etc/hostname", f"{hostname}\n".encode(), 0o644)
     _whiteout(delta, "/usr/sbin/pct")
     # The container's /root is its own (an opaque dir hides the node's /root, so a file copied to the
     # node's /root is NOT visible in the container), with root's dotfiles as a fresh Debian container has.
@@ -163,6 +176,12 @@ def write_container(node_files, tag, vmid, gpus):
     os.setxattr(root_home, "trusted.overlay.opaque", b"y")
     for name, default in ROOT_DOTFILES.items():
         _put(delta, f"/root/{name}", _debian_default(name, default), 0o644)
+
+
+def write_container(node_files, tag, vmid, gpu_indices):
+    """A container as `pvesim up` makes it: its LXC side and its Proxmox config."""
+    write_lxc(node_files, tag, vmid, f"ct{vmid}")
+    (node_files.pve_confdir / f"{vmid}.conf").write_text(proxmox_config(vmid, gpu_indices))
 
 
 def lxc(tool, node_files, vmid, *args, **kw):

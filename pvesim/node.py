@@ -4,9 +4,11 @@
 /usr/sbin/pct) and puts the node's own tools (the node-side nvidia-smi) first on PATH.
 """
 
+import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,7 +55,14 @@ class NodeFiles:
         self.sshd_config = self.root / "sshd_config"
         self.pidfile = self.root / "sshd.pid"
         self.log = self.root / "sshd.log"
-        self.gpu_config = self.root / "nvidia-smi.json"
+        # The node's nvidia-smi reads the config next to it; its GPU state is shared with the containers.
+        self.gpu_config = self.bin / "nvidia-smi.json"
+        self.gpu_dir = self.root / "gpu"
+        self.gpu_state = self.gpu_dir / "state.json"
+        # Storage `local` (a dir storage): container templates under template/cache/.
+        self.template_cache = self.root / "storage" / "local" / "template" / "cache"
+        # What `pct create` and `pct destroy` run for the LXC side: this Python and package.
+        self.provision = self.root / "provision.json"
 
     def hidden_paths(self):
         try:
@@ -66,14 +75,17 @@ class NodeFiles:
         return {
             "PVESIM_STATE_DIR": str(self.state_dir),
             "PVESIM_NODE": self.name,
-            "PVESIM_NVIDIA_SMI_CONFIG": str(self.gpu_config),
             "PATH": f"{self.bin}:{NODE_PATH}",
         }
 
 
-def write_node(files, address, port, authorized_keys, gpu_config_json):
-    """Create the node's directories, host key, sshd_config and node-side nvidia-smi."""
-    for d in (files.lxcpath, files.pve_confdir, files.bin):
+# The template `pct create` finds on storage local (an empty stand-in: containers share the machine's root).
+TEMPLATE = "debian-12-standard_12.7-1_amd64.tar.zst"
+
+
+def write_node(files, address, port, authorized_keys, gpu_state_json):
+    """Create the node's directories, host key, sshd_config, node-side nvidia-smi and GPU state."""
+    for d in (files.lxcpath, files.pve_confdir, files.bin, files.gpu_dir, files.template_cache):
         d.mkdir(parents=True, exist_ok=True)
     host_key = keygen(files.host_key, f"root@{files.name}")
     setenv = " ".join(f"{k}={v}" for k, v in files.session_env().items())
@@ -102,7 +114,10 @@ LogLevel INFO
 """)
     shutil.copyfile(PACKAGE_BIN / "nvidia-smi", files.bin / "nvidia-smi")
     (files.bin / "nvidia-smi").chmod(0o755)
-    files.gpu_config.write_text(gpu_config_json)
+    files.gpu_state.write_text(gpu_state_json)
+    files.gpu_config.write_text(json.dumps({"state": str(files.gpu_state), "proc": "/proc"}))
+    (files.template_cache / TEMPLATE).touch()
+    files.provision.write_text(json.dumps({"python": sys.executable, "path": str(PACKAGE_BIN.parents[1])}))
     return host_key
 
 

@@ -24,6 +24,10 @@ DEFAULT_INVENTORY = REPO_ROOT / "inventory" / "sim" / "hosts.yml"
 STATE_FILE = "sim.json"
 INVENTORY_HEADER = "# Written by `python -m pvesim up --state-dir {state_dir}`; `pvesim down` removes it.\n"
 MAX_GPUS = 16
+# The compute-apps list of a node's driver (see pvesim/bin/nvidia-smi): "host" lists every process on a
+# device with host PIDs, also in a container (older drivers); "container" lists in a container only its
+# own processes, with its PIDs (newer drivers).
+COMPUTE_APPS = ("host", "container")
 # The python of a Debian/Proxmox node, also what containers see through their overlay root. Named in the
 # inventory because interpreter discovery would follow whatever the login shell puts first on PATH.
 NODE_PYTHON = "/usr/bin/python3"
@@ -48,6 +52,9 @@ class Sim:
     gpus: int
     inventory_path: Path
     tag: str = field(default="")
+    # {vmid: node GPU indices passed through}, and {node name: compute-apps behaviour}.
+    passthrough: dict = field(default_factory=dict)
+    compute_apps: dict = field(default_factory=dict)
 
     @property
     def private_key(self):
@@ -173,13 +180,40 @@ def load(state_dir=DEFAULT_STATE_DIR):
 
 def _from_record(data):
     return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
-               gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"])
+               gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
+               passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
+               compute_apps=data.get("compute_apps", {}))
 
 
 def split_containers(containers, nodes):
     """Contiguous blocks: --nodes 2 --containers 200,201,202,203 gives pve1 200,201 and pve2 202,203."""
     per_node = -(-len(containers) // nodes)
     return [list(containers[i * per_node:(i + 1) * per_node]) for i in range(nodes)]
+
+
+def gpu_layout(blocks, gpus, passthrough=None):
+    """{vmid: node GPU indices} for every container: `passthrough` where it names one, else each node's
+    GPUs split into equal contiguous shares among its containers (never two containers on one GPU)."""
+    layout = {}
+    for block in blocks:
+        share = gpus // len(block) if block else 0
+        for i, vmid in enumerate(block):
+            layout[vmid] = list(range(i * share, (i + 1) * share))
+    for vmid, indices in (passthrough or {}).items():
+        if vmid not in layout:
+            raise SimError(f"gpu_passthrough names container {vmid}, which is not in --containers")
+        if any(not isinstance(i, int) or not 0 <= i < gpus for i in indices):
+            raise SimError(f"gpu_passthrough of {vmid} must be GPU indices 0..{gpus - 1}, got {indices!r}")
+        layout[vmid] = sorted(indices)
+    return layout
+
+
+def compute_apps_by_node(names, compute_apps):
+    modes = compute_apps if isinstance(compute_apps, dict) else {name: compute_apps for name in names}
+    for name in names:
+        if modes.get(name, "host") not in COMPUTE_APPS:
+            raise SimError(f"compute_apps must be one of {', '.join(COMPUTE_APPS)}, got {modes[name]!r}")
+    return {name: modes.get(name, "host") for name in names}
 
 
 def _validate(nodes, containers, gpus, state_dir):
@@ -223,17 +257,26 @@ def _healthy(sim):
     return True
 
 
-def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY):
-    """Bring up a sim (idempotent: a running sim with the same layout is left as it is)."""
+def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
+       gpu_passthrough=None, compute_apps="host"):
+    """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
+
+    Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
+    `gpu_passthrough` ({vmid: [node GPU index, ...]}) passes others through (two containers may share a
+    GPU). `compute_apps` ("host" or "container", or {node name: either}) is the node's driver's
+    compute-apps behaviour."""
     containers = list(containers)
     state_dir = Path(state_dir).resolve()
     inventory = Path(inventory).resolve()
     _validate(nodes, containers, gpus, state_dir)
+    layout = gpu_layout(split_containers(containers, nodes), gpus, gpu_passthrough)
+    modes = compute_apps_by_node([f"pve{i + 1}" for i in range(nodes)], compute_apps)
     with host.machine_lock():
         if (state_dir / STATE_FILE).exists():
             current = load(state_dir)
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
-                    and current.gpus == gpus and current.inventory_path == inventory)
+                    and current.gpus == gpus and current.inventory_path == inventory
+                    and current.passthrough == layout and current.compute_apps == modes)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -248,16 +291,17 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                                f"`python -m pvesim down --state-dir {state_dir}` first")
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
-            return _up_locked(nodes, containers, gpus, state_dir, inventory)
+            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
-def _up_locked(nodes, containers, gpus, state_dir, inventory):
+def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag,
+    sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
+              compute_apps=modes,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -271,11 +315,11 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory):
         gpus_of_node = container.node_gpus(tag, n.name, gpus)
         n.port = node.free_port(n.address)
         node.write_node(files, n.address, n.port, authorized_keys,
-                        container.node_gpu_config(tag, gpus_of_node, n.containers))
+                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name]))
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
         for vmid in n.containers:
-            container.write_container(files, tag, vmid, gpus_of_node)
+            container.write_container(files, tag, vmid, layout[vmid])
     sim.trust_host_keys()
     _ensure_running(sim)
     write_inventory(sim)

@@ -25,9 +25,10 @@ from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
 FIXTURES = Path(__file__).parent / "fixtures"
 NODE = "pve1"
 EIGHT_GPUS = "".join(f"{i}\n" for i in range(8))
-PASSTHROUGH = ["dev0: /dev/nvidia0", "lxc.cgroup2.devices.allow: c 195:* rwm"]
-CONFIG = ["arch: amd64", "cores: 2", PASSTHROUGH[0], "hostname: ct200", "memory: 8192", PASSTHROUGH[1]]
-NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader,nounits"]
+PASSTHROUGH = ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl", "dev2: /dev/nvidia-uvm",
+               "lxc.cgroup2.devices.allow: c 195:* rwm"]
+CONFIG = ["arch: amd64", "cores: 2", *PASSTHROUGH[:3], "hostname: ct200", "memory: 8192", PASSTHROUGH[3]]
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
 # What pvesim's (and Proxmox's) pct exec says when the command does not exist in the container.
 NO_NVIDIA_SMI = ('lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or '
                  'directory - Failed to exec "nvidia-smi"\n')
@@ -83,7 +84,7 @@ def test_a_running_container_with_its_gpus_passes_in_three_pct_calls(node):
     assert rc == 0 and result["changed"] is False, result
     assert result["status"] == "running" and result["started"] is False
     assert result["gpu_passthrough"] == PASSTHROUGH and result["gpu_count"] == 8
-    assert result["msg"] == ("CT 200 on node pve1: running, 2 GPU passthrough line(s), 8 GPU(s) in "
+    assert result["msg"] == ("CT 200 on node pve1: running, 4 GPU passthrough line(s), 8 GPU(s) in "
                              "nvidia-smi")
     assert node.calls() == [["status", "200"], ["config", "200"], ["exec", "200", "--", *NVIDIA_SMI]]
 
@@ -145,8 +146,9 @@ def test_a_start_that_fails_says_what_pct_said(node):
     node.containers({201: container(status="stopped")}, start_fails="lxc-start: 201: no rootfs")
     result, rc = node.check(vmid=201, start_stopped=True)
     assert rc == 1 and result["msg"] == (
-        "pct start 201 failed on node pve1 (exit 255): startup for container '201' failed\n"
-        "lxc-start: 201: no rootfs")
+        "CT 201 on node pve1 did not start (pct start 201, exit 255): startup for container '201' failed\n"
+        "lxc-start: 201: no rootfs. A device its config passes through may be missing on pve1: compare "
+        "pct config 201 with ls -l /dev/nvidia* on pve1.")
     assert result["started"] is False and result["changed"] is False and node.status(201) == "stopped"
 
 

@@ -1,4 +1,5 @@
-"""Simulated GPUs in real containers: held by live processes through CUDA_VISIBLE_DEVICES, host PIDs."""
+"""Simulated GPUs in real containers: node devices held by live processes through CUDA_VISIBLE_DEVICES,
+each container seeing only the GPUs passed through to it, numbered from 0."""
 
 import re
 
@@ -29,12 +30,15 @@ def uuids(sim, node_name, vmid):
 
 def test_list_gpus_format(sim):
     out = sim.ssh("pve1", in_ct(200, "nvidia-smi", "-L")).stdout.splitlines()
-    assert len(out) == 8
+    assert len(out) == 4
     uuid = r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}"
     for i, line in enumerate(out):
         assert re.fullmatch(rf"GPU {i}: NVIDIA H200 \(UUID: {uuid}\)", line), line
-    assert uuids(sim, "pve1", 200) == uuids(sim, "pve1", 201)  # one node, the same physical GPUs
-    assert uuids(sim, "pve1", 200) != uuids(sim, "pve2", 202)
+    # Disjoint shares of the node's GPUs, renumbered from 0 in each container, with the physical UUIDs.
+    node = re.findall(r"\(UUID: (GPU-[0-9a-f-]+)\)", sim.ssh("pve1", "nvidia-smi -L").stdout)
+    assert len(node) == 8
+    assert uuids(sim, "pve1", 200) == node[:4] and uuids(sim, "pve1", 201) == node[4:]
+    assert not set(uuids(sim, "pve1", 200)) & set(uuids(sim, "pve2", 202))
 
 
 @pytest.mark.slow
@@ -47,9 +51,10 @@ def test_a_process_holds_gpu0_while_it_runs_with_its_host_pid(sim):
         assert sim.ssh("pve1", in_ct(200, *APPS)).stdout == f"{pid}, {gpu0}, 3000\n"
         memory = sim.ssh("pve1", in_ct(200, *MEMORY)).stdout.splitlines()
         assert memory[0] == "0, 3000, 100"
-        assert memory[1:] == [f"{i}, 0, 0" for i in range(1, 8)]
-        # CT 201 shares the node's GPUs but runs nothing: it sees no process of CT 200.
+        assert memory[1:] == [f"{i}, 0, 0" for i in range(1, 4)]
+        # CT 201 has other GPUs: it sees neither the process nor its memory.
         assert sim.ssh("pve1", in_ct(201, *APPS)).stdout == ""
+        assert sim.ssh("pve1", in_ct(201, *MEMORY)).stdout.splitlines()[0] == "0, 0, 0"
         # On the node, nvidia-smi shows every container's processes; the pid maps to CT 200 by cgroup.
         assert f"{pid}, {gpu0}, 3000" in sim.ssh("pve1", " ".join(APPS)).stdout
         assert "/lxc/200/" in open(f"/proc/{pid}/cgroup").read()
@@ -80,11 +85,32 @@ def test_query_gpu_with_header_and_units(sim):
     out = sim.ssh("pve2", in_ct(203, "nvidia-smi", "--query-gpu=index,uuid,name,memory.used,memory.total,"
                                 "utilization.gpu", "--format=csv")).stdout.splitlines()
     assert out[0] == "index, uuid, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%]"
-    assert re.fullmatch(r"7, GPU-[0-9a-f-]{36}, NVIDIA H200, 0 MiB, 143771 MiB, 0 %", out[8])
+    assert re.fullmatch(r"3, GPU-[0-9a-f-]{36}, NVIDIA H200, 0 MiB, 143771 MiB, 0 %", out[4])
 
 
 def test_without_gpus_no_devices_are_found(sim_factory):
     bare = sim_factory(nodes=1, containers=(300,), gpus=0)
     res = bare.ssh("pve1", in_ct(300, "nvidia-smi", "-L"))
-    assert (res.returncode, res.stdout) == (6, "No devices were found\n")
+    # No GPU passed through, not even /dev/nvidiactl: nvidia-smi cannot reach the driver.
+    assert res.returncode == 9 and "couldn't communicate with the NVIDIA driver" in res.stdout
     assert "dev0:" not in bare.ssh("pve1", "pct config 300").stdout
+
+
+@pytest.mark.parametrize("compute_apps", ["host", "container"])
+def test_a_gpu_two_containers_share_is_one_device(sim_factory, compute_apps):
+    """CT 310 and CT 311 are both given node GPU 1 (their GPU 1 and GPU 0): memory and utilization are
+    the device's; the compute-apps list is the driver's choice."""
+    shared = sim_factory(nodes=1, containers=(310, 311), gpus=2, gpu_passthrough={310: [0, 1], 311: [1]},
+                         compute_apps=compute_apps)
+    holder = "CUDA_VISIBLE_DEVICES=1 PVESIM_GPU_MEMORY_MIB=700 exec sleep 60"
+    ct_pid, pid = start_in_ct(shared, "pve1", 310, holder)
+    try:
+        assert shared.ssh("pve1", in_ct(311, *MEMORY)).stdout == "0, 700, 100\n"
+        apps = shared.ssh("pve1", in_ct(311, *APPS)).stdout
+        gpu = uuids(shared, "pve1", 311)[0]
+        assert apps == (f"{pid}, {gpu}, 700\n" if compute_apps == "host" else "")
+        own = shared.ssh("pve1", in_ct(310, *APPS)).stdout
+        assert own == f"{pid if compute_apps == 'host' else ct_pid}, {gpu}, 700\n"
+        assert shared.ssh("pve1", " ".join(APPS)).stdout == f"{pid}, {gpu}, 700\n"  # the node: host PIDs
+    finally:
+        shared.ssh("pve1", in_ct(310, "kill", str(ct_pid)))

@@ -42,7 +42,7 @@ def fleet(tmp_path_factory):
     yield from shared_fleet(tmp_path_factory)
 
 KINDS = ("connection shell", "tail -f of the log", "editor on run.sh", "trainer's name", "second run")
-SECOND_RUN_GPU = 6  # a second run of another name, on a GPU of its own
+SECOND_RUN_GPU = 3  # a second run of another name, on a GPU of its own
 
 
 @dataclass

@@ -47,7 +47,7 @@ def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
     for host, result in checks[0].items():
         node = fleet.sim.node_of(int(host[2:])).name
         assert result["msg"].startswith(f"CT {host[2:]} on node {node}: running"), result
-        assert result["gpu_count"] == 8 and result["gpu_passthrough"], result
+        assert result["gpu_count"] == 4 and result["gpu_passthrough"], result
     for vmid in CONTAINERS:
         release_dir = fleet.live_release(vmid)
         release_id = Path(release_dir).name

@@ -8,6 +8,7 @@ the pidfile written at once, and the wait for the run's first progress line in i
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -161,6 +162,18 @@ def start_run(params, env):
                        log_tail=tail)
     return record, dict(startup_seconds=round(time.monotonic() - began, 2), log_offset=watcher.offset,
                         progress=watcher.match)
+
+
+RUN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def base_environment():
+    """The environment every run starts from, whatever the module was started with: `pct exec` passes
+    the node session's environment into the container (lxc-attach --keep-env), with PATH as pct
+    forces it (/sbin:/bin:/usr/sbin:/usr/bin)."""
+    user = pwd.getpwuid(os.geteuid())
+    return {"PATH": RUN_PATH, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
+            "SHELL": user.pw_shell or "/bin/sh", "LANG": "C.UTF-8"}
 
 
 def read_environment_file(path):

@@ -18,9 +18,12 @@ description:
   - Placeholders such as C([N/A]), C([Not Supported]), C([Insufficient Permissions]) and
     C([Unknown Error]) become null. Driver errors, C(No devices were found) and a missing
     C(nvidia-smi) get a clear message.
-  - Inside an LXC container nvidia-smi reports host pids, so idle and busy are judged by memory
-    used and the number of compute processes, never by looking the pids up. Run on the Proxmox
-    node (C(delegate_to)), each process is mapped to its container through C(/proc/<pid>/cgroup).
+  - Inside an LXC container nvidia-smi lists, depending on the driver, every process on the device
+    with its host pid (older drivers) or only the container's own processes with the container's
+    pids (newer drivers); memory used and utilization are the device's, whichever container uses it.
+    So idle and busy are judged by memory used and the number of compute processes, never by looking
+    the pids up. Run on the Proxmox node (C(delegate_to)), each process is mapped to its container
+    through C(/proc/<pid>/cgroup).
   - Always read-only.
 version_added: "0.1.0"
 author: dflash-ops contributors (@dflash-ops)
@@ -145,13 +148,13 @@ seconds:
 """
 
 import os
-import re
 import shutil
 import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import read_text, vmid_from_cgroup
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, confirm_run
 
 ARGUMENT_SPEC = dict(
@@ -213,8 +216,6 @@ EXIT_CODES = {
     18: "the NVML library and the driver versions do not match",
     255: "other error or internal driver error",
 }
-
-LXC_CGROUP = re.compile(r"(?:^|/)lxc(?:\.payload)?[./]([0-9]+)(?=/|$)")
 
 
 class NvidiaSmiError(Exception):
@@ -298,24 +299,6 @@ def explain_failure(rc, output):
 # Containers (pure given a proc root)
 
 
-def vmid_from_cgroup(text):
-    """The container id in /proc/<pid>/cgroup: Proxmox puts container processes under
-    /lxc/<vmid>/..., plain LXC under /lxc.payload.<name>/... (cgroup v2) or /lxc/<name> (v1)."""
-    for line in text.splitlines():
-        match = LXC_CGROUP.search(line.split(":", 2)[-1])
-        if match:
-            return int(match.group(1))
-    return None
-
-
-def read_text(path):
-    try:
-        with open(path) as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
 def container_pid(status_text):
     """The pid inside the process's own namespace: the last NSpid entry of /proc/<pid>/status."""
     for line in (status_text or "").splitlines():
@@ -356,7 +339,11 @@ def gpu_load(gpu, processes, max_memory_mib):
     memory = "memory used unknown" if used is None else f"{used} MiB used"
     comparison = "" if used is None else (" > " if memory_busy else " <= ") + f"{max_memory_mib}"
     procs = f"{len(pids)} compute process(es) {pids}" if pids else "no compute process"
-    return bool(pids) or memory_busy, f"{procs}, {memory}{comparison}"
+    # Memory used with no process listed: a driver that lists only this container's processes, and
+    # another container (or the node) using the same GPU.
+    unseen = " (used by processes not listed here: another container or the node on the same GPU)" \
+        if memory_busy and not pids else ""
+    return bool(pids) or memory_busy, f"{procs}, {memory}{comparison}{unseen}"
 
 
 def unmet(expect, gpus, processes, selected, max_memory_mib, count):

@@ -15,15 +15,21 @@ description:
   - A stopped container fails the check, or is started with C(pct start) when O(start_stopped) is set
     (the only change the module makes).
   - >-
-    Reads the container's configuration with C(pct config) and reports its GPU passthrough lines
-    (C(lxc.cgroup2.devices.allow) for the NVIDIA device majors, C(lxc.mount.entry) of C(/dev/nvidia*),
-    C(devN: /dev/nvidia*)); O(require_gpu_passthrough) makes at least one mandatory.
-  - With O(required_gpus), runs C(nvidia-smi --query-gpu=index) in the container through C(pct exec)
-    and fails when nvidia-smi is missing, fails (a driver error), or lists fewer GPUs than the
-    highest required index needs.
+    Reads the container's configuration with C(pct config) and reports its GPU passthrough lines in
+    every form Proxmox VE takes (C(devN: /dev/nvidia0), C(devN: path=/dev/nvidia0,...) since PVE 8.1;
+    C(lxc.cgroup2.devices.allow) for the NVIDIA device majors with C(lxc.mount.entry) of
+    C(/dev/nvidia*) before) and the devices they pass through; O(require_gpu_passthrough) makes a GPU,
+    C(/dev/nvidiactl) and C(/dev/nvidia-uvm) (which CUDA needs) mandatory.
+  - With O(required_gpus), runs C(nvidia-smi --query-gpu=index,uuid) in the container through
+    C(pct exec) and fails when nvidia-smi is missing, fails (a driver error), or lists fewer GPUs
+    than the highest required index needs (a container sees only the GPUs passed through to it,
+    numbered from 0). Then, when the node has nvidia-smi, fails when another container (or the node)
+    has a process on one of those GPUs (two containers given the same GPU).
   - Every failure names its cause and the fix, before anything in the container is touched. A
     C(pct) that cannot be run (not installed, not executable, or refused by sudo as an unknown
-    command) gets a message of its own.
+    command), a pct that refuses the user (C(please run as root)), sudo asking for a password, a
+    container that does not exist and any other pct failure (a cluster filesystem error) each get a
+    message of their own, with pct's own words.
   - The fixes it names are dflash-ops' inventory variables (C(proxmox_host_start_containers),
     C(dflash_run_verify_gpus), the GPU layout variables).
 version_added: "0.1.0"
@@ -104,11 +110,22 @@ gpu_passthrough:
   elements: str
   sample: ["lxc.cgroup2.devices.allow: c 195:* rwm",
            "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]
+gpu_devices:
+  description: The NVIDIA device nodes the container's config passes through, in any form.
+  returned: when the container exists and runs (or was started)
+  type: list
+  elements: str
+  sample: [/dev/nvidia0, /dev/nvidia1, /dev/nvidiactl, /dev/nvidia-uvm]
 gpu_count:
   description: Number of GPUs nvidia-smi lists in the container; null when the GPUs were not checked.
   returned: always
   type: int
   sample: 8
+gpu_uuids:
+  description: The UUIDs of the GPUs nvidia-smi lists in the container, by index.
+  returned: when the GPUs were checked
+  type: list
+  elements: str
 containers:
   description: The CT ids the node has, from C(pct list); read only when the container does not exist.
   returned: when the container does not exist
@@ -119,11 +136,14 @@ containers:
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 from collections import namedtuple
 
 from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_of_pid
 
 ARGUMENT_SPEC = dict(
     vmid=dict(type="int", required=True),
@@ -133,12 +153,21 @@ ARGUMENT_SPEC = dict(
     require_gpu_passthrough=dict(type="bool", default=False),
     required_gpus=dict(type="list", elements="int", default=[]),
 )
-# Config lines that pass a GPU through: cgroup device rules for the NVIDIA majors, bind mounts, devN entries.
-GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow:\s*c\s+(195|50[0-9]|23[0-9]):"
-                      r"|lxc\.mount\.entry:\s*/dev/nvidia|dev\d+:\s*/dev/nvidia)")
-# nvidia-smi in the container: one GPU index a line.
-NVIDIA_SMI_ARGV = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader,nounits"]
-GPU_INDEX_LINE = re.compile(r"^\s*[0-9]+\s*$")
+# Config lines that pass a GPU through: cgroup device rules for the NVIDIA majors, bind mounts, devN
+# entries (`devN: /dev/nvidia0` or `devN: path=/dev/nvidia0,mode=0666`); pct config prints `lxc.key: value`.
+GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow\s*[:=]\s*c\s+(195|50[0-9]|23[0-9]):"
+                      r"|lxc\.mount\.entry\s*[:=]\s*/dev/nvidia|dev\d+:\s*(?:[^,\s]*,)*?(?:path=)?/dev/nvidia)")
+DEVICE_OF_LINE = re.compile(r"(?:^dev\d+:\s*(?:[^,]*,)*?(?:path=)?|^lxc\.mount\.entry\s*[:=]\s*)"
+                            r"(/dev/nvidia[^\s,]*)")
+GPU_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")
+# What CUDA needs besides the GPUs: the driver's control device and the unified memory device.
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
+# nvidia-smi in the container (one GPU a line; the driver installs it in /usr/bin, on the PATH pct forces:
+# /sbin:/bin:/usr/sbin:/usr/bin) and on the node (its compute processes).
+NVIDIA_SMI_ARGV = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
+NODE_APPS_ARGV = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                  "--format=csv,noheader,nounits"]
+GPU_INDEX_LINE = re.compile(r"^\s*([0-9]+)\s*(?:,\s*(\S+))?\s*$")
 # What a shell or sudo answers for a command it cannot run.
 CANNOT_RUN_CODES = (126, 127)
 READ_TIMEOUT = 60
@@ -162,12 +191,33 @@ def said(answer):
 
 
 def pct_cannot_run(answer, pct_path):
-    """pct answers as a missing command does: it could not be executed, a shell's 126/127, or a
-    'not found' from sudo or a shell."""
+    """pct answers as a missing command does: it could not be executed, a shell's 126/127, or sudo's
+    or a shell's 'not found' for pct's own path. A "No such file or directory" pct itself prints (a
+    device a container's config names, say) is pct's answer, not a missing pct."""
     if answer.rc is None or answer.rc in CANNOT_RUN_CODES:
         return True
-    missing = re.compile(rf"No such file or directory|{re.escape(pct_path)}: (command )?not found")
+    path = re.escape(pct_path)
+    missing = re.compile(rf"^(sudo: )?(\S+: )?{path}: (command not found|not found|No such file or "
+                         "directory)", re.MULTILINE)
     return answer.rc != 0 and bool(missing.search(said(answer)))
+
+
+def status_failure_message(pct, vmid, status, containers):
+    """Why `pct status` failed, in pct's (or sudo's) own words; only a missing config means the
+    container does not exist."""
+    node, words = pct.node, said(status)
+    if "does not exist" in words and "Configuration file" in words:
+        return missing_container_message(vmid, node, status, containers)
+    if "please run as root" in words:
+        return (f"pct on node {node} refuses this user ({words}): pct runs as root only. Connect to "
+                f"{node} as root, or run pct through sudo (proxmox_host_pct_sudo: true) with the sudo rule "
+                f"for {pct.path} (inventory/production.example/sudoers.d/ansible_pct) installed on {node}.")
+    if words.startswith("sudo:"):
+        return (f"sudo on node {node} does not let this user run {pct.path} ({words}). Install the sudo "
+                f"rule (inventory/production.example/sudoers.d/ansible_pct) on {node}.")
+    return (f"pct status {vmid} failed on node {node} (exit {status.rc}): {words}. The node's Proxmox "
+            f"services (pve-cluster, the cluster filesystem /etc/pve) may be down: check `pct list` on "
+            f"{node}.")
 
 
 def node_containers(list_output):
@@ -180,8 +230,61 @@ def gpu_passthrough_lines(config_output):
     return [line for line in config_output.splitlines() if GPU_LINE.search(line)]
 
 
+def passed_devices(lines):
+    """The /dev/nvidia* device nodes the passthrough lines name, in config order, once each."""
+    devices = []
+    for line in lines:
+        match = DEVICE_OF_LINE.search(line)
+        if match and match.group(1) not in devices:
+            devices.append(match.group(1))
+    return devices
+
+
+def passthrough_problem(vmid, node, devices):
+    """What is missing for CUDA in the container's passthrough (None when nothing is)."""
+    missing = ([] if any(GPU_DEVICE.match(d) for d in devices) else ["a GPU (/dev/nvidia<N>)"])
+    missing += [d for d in CONTROL_DEVICES if d not in devices]
+    if not missing:
+        return None
+    return (f"CT {vmid} on node {node} does not pass through {', '.join(missing)} (its config passes "
+            f"through {', '.join(devices) or 'no NVIDIA device'}). Add devN entries (pct set {vmid} --devN "
+            "/dev/...), or the lxc.cgroup2.devices.allow and lxc.mount.entry lines of older nodes, and "
+            "restart it.")
+
+
+def gpu_uuids(nvidia_smi_output):
+    """The UUIDs by index of `nvidia-smi --query-gpu=index,uuid` (an index alone gives no UUID)."""
+    found = [GPU_INDEX_LINE.match(line) for line in nvidia_smi_output.splitlines()]
+    return [m.group(2) for m in sorted((m for m in found if m), key=lambda m: int(m.group(1)))]
+
+
 def gpu_count(nvidia_smi_output):
     return sum(1 for line in nvidia_smi_output.splitlines() if GPU_INDEX_LINE.match(line))
+
+
+def gpu_holders(apps_output, uuids, required_gpus, vmid, vmid_of_pid):
+    """(index, uuid, owner, pid, MiB) of every process of another container or the node on a required
+    GPU, from the node's `nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory`."""
+    wanted = {uuids[i]: i for i in required_gpus if i < len(uuids) and uuids[i]}
+    holders = []
+    for line in apps_output.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or fields[1] not in wanted or not fields[0].isdigit():
+            continue
+        owner = vmid_of_pid(int(fields[0]))
+        if owner != vmid:
+            holders.append((wanted[fields[1]], fields[1], owner, int(fields[0]), fields[2]))
+    return sorted(holders, key=lambda h: (h[0], h[3]))
+
+
+def shared_gpu_message(vmid, node, holders):
+    held = "; ".join(f"GPU {index} ({uuid}) by {'CT ' + str(owner) if owner else 'the node itself'} "
+                     f"(pid {pid}, {mib} MiB)" for index, uuid, owner, pid, mib in holders)
+    others = sorted({owner for _, _, owner, _, _ in holders if owner})
+    return (f"CT {vmid} on node {node}: GPUs of the run's layout are in use outside this container: {held}. "
+            "Two containers are given the same GPU: stop what runs there"
+            + (f" (CT {', '.join(map(str, others))})" if others else "")
+            + f", or pass other GPUs through to CT {vmid} (pct config {vmid}).")
 
 
 def pct_missing_message(pct_path, node, answer):
@@ -202,6 +305,12 @@ def stopped_message(vmid, node, status):
 def no_passthrough_message(vmid, node):
     return (f"CT {vmid} on node {node} has no GPU passthrough lines (lxc.cgroup2.devices.allow / "
             "lxc.mount.entry for /dev/nvidia*, or devN: /dev/nvidia*) in its config.")
+
+
+def start_failed_message(vmid, node, answer):
+    return (f"CT {vmid} on node {node} did not start (pct start {vmid}, exit {answer.rc}): {said(answer)}. "
+            f"A device its config passes through may be missing on {node}: compare pct config {vmid} "
+            f"with ls -l /dev/nvidia* on {node}.")
 
 
 def nvidia_smi_problem(vmid, node, answer, required_gpus):
@@ -267,28 +376,35 @@ class Pct:
         return answer.stdout
 
 
-def check(pct, params, check_mode, result):
+def check(pct, params, check_mode, result, vmid_of_pid=vmid_of_pid):
     """The checks, in the order a user fixes them; fills `result` and raises CheckFailed."""
     vmid, node = params["vmid"], pct.node
     status = pct("status", vmid)
     if status.rc != 0:
         listing = pct("list")
-        containers = node_containers(listing.stdout)
+        containers = node_containers(listing.stdout) if listing.rc == 0 else []
         result["containers"] = [int(c) for c in containers if c.isdigit()]
-        raise CheckFailed(missing_container_message(vmid, node, status, containers))
+        raise CheckFailed(status_failure_message(pct, vmid, status, containers))
     result["status"] = status.stdout.strip().partition("status:")[2].strip() or None
     running = "status: running" in status.stdout
     if not running:
         if not params["start_stopped"]:
             raise CheckFailed(stopped_message(vmid, node, status))
         if not check_mode:
-            pct.must("start", vmid, timeout=START_TIMEOUT)
+            started = pct("start", vmid, timeout=START_TIMEOUT)
+            if started.rc != 0:
+                raise CheckFailed(start_failed_message(vmid, node, started))
             running = True
         result["started"] = result["changed"] = True
 
     result["gpu_passthrough"] = gpu_passthrough_lines(pct.must("config", vmid))
-    if params["require_gpu_passthrough"] and not result["gpu_passthrough"]:
-        raise CheckFailed(no_passthrough_message(vmid, node))
+    result["gpu_devices"] = passed_devices(result["gpu_passthrough"])
+    if params["require_gpu_passthrough"]:
+        if not result["gpu_passthrough"]:
+            raise CheckFailed(no_passthrough_message(vmid, node))
+        problem = passthrough_problem(vmid, node, result["gpu_devices"])
+        if problem:
+            raise CheckFailed(problem)
 
     if params["required_gpus"] and running:
         smi = pct("exec", vmid, "--", *NVIDIA_SMI_ARGV)
@@ -296,6 +412,25 @@ def check(pct, params, check_mode, result):
         if problem:
             raise CheckFailed(problem)
         result["gpu_count"] = gpu_count(smi.stdout)
+        result["gpu_uuids"] = gpu_uuids(smi.stdout)
+        apps = node_compute_apps()
+        holders = gpu_holders(apps, result["gpu_uuids"], params["required_gpus"], vmid, vmid_of_pid)
+        if holders:
+            raise CheckFailed(shared_gpu_message(vmid, node, holders))
+
+
+def node_compute_apps():
+    """The node's compute processes (empty when the node has no nvidia-smi or it fails)."""
+    executable = shutil.which(NODE_APPS_ARGV[0], path=os.environ.get("PATH", "") + os.pathsep + "/usr/bin")
+    if executable is None:
+        return ""
+    try:
+        proc = subprocess.run([executable, *NODE_APPS_ARGV[1:]], capture_output=True, text=True,
+                              check=False, timeout=READ_TIMEOUT, stdin=subprocess.DEVNULL,
+                              env=dict(os.environ, LC_ALL="C"))
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
 
 
 def summary(vmid, node, result):

@@ -61,7 +61,11 @@ options:
       directory, which Ansible removes).
     type: path
   environment:
-    description: Variables added to the module's environment for the run.
+    description:
+      - Variables of the run's environment, on top of a fixed base (C(PATH) with C(/usr/local/bin), the
+        user's C(HOME), C(USER), C(LOGNAME), C(SHELL), C(LANG=C.UTF-8)). Nothing else of the
+        module's own environment reaches the run; through C(pct exec) that is the node session's
+        (C(SSH_*), C(SUDO_*), its C(LANG), a C(PATH) without C(/usr/local/bin)).
     type: dict
     default: {}
   log_path:
@@ -209,7 +213,6 @@ log_tail:
   type: str
 """
 
-import os
 import re
 
 from ansible.module_utils.basic import AnsibleModule
@@ -226,6 +229,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     stopped_result,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
+    base_environment,
     preflight,
     read_environment_file,
     start_run,
@@ -345,7 +349,7 @@ def main():
             module.fail_json(msg=f"wait_for is not a regular expression: {exc}")
     params["pidfile"] = params["pidfile"] or f"/var/lib/dflash/{name}.pid"
     params["log_path"] = params["log_path"] or f"/var/log/dflash/{name}.log"
-    env = dict(os.environ)
+    env = base_environment()
     env.update({key: str(value) for key, value in params["environment"].items()})
 
     result = dict(name=name, pidfile=params["pidfile"])
