@@ -82,7 +82,8 @@ class StatusFile:
     def __init__(self, output_dir: str | Path, workers: dict | None = None):
         self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
-                       "last_checkpoint": None, "pid": os.getpid(), "workers": workers or {}}
+                       "last_checkpoint": None, "pid": os.getpid(), "restarts": 0, "error": None,
+                       "workers": workers or {}}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)

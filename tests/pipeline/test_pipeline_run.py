@@ -120,7 +120,8 @@ def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exac
 
 @pytest.mark.slow
 def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
-    run = start_run(write_config("crash", optim={"total_steps": 10_000}, pipeline=PIPELINE),
+    run = start_run(write_config("crash", optim={"total_steps": 10_000},
+                                 pipeline={**PIPELINE, "max_restarts": 0}),
                     env={"DFLASH_TEST_FAIL_AT": "target1:2", "DFLASH_FAILURE_GRACE_S": "5"})
     started = time.monotonic()
     assert run.wait(timeout=180) == 1
@@ -128,7 +129,9 @@ def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run)
     assert "injected failure in target1 at 2" in log
     errors = [e for e in run.events() if e["event"] == "error" and "worker target1" in e.get("message", "")]
     assert errors and "injected failure" in errors[0]["message"]
-    assert run.status()["state"] == "failed"
+    status = run.status()
+    assert status["state"] == "failed" and "worker target1" in status["error"]
+    assert "injected failure" in status["error"]
     assert not run.group_alive()
     assert time.monotonic() - started < 170
 
