@@ -256,8 +256,8 @@ class Launcher:
                 if worker is not None and worker.pid == pid:
                     worker.state = "failed"
                 detail = worker.error if worker is not None and worker.error else None
-                self.last_failure = (f"worker {name} (pid {pid}) failed with {describe_exit(code)}"
-                                     + (f": {detail}" if detail else ""))
+                how = f"was {describe_exit(code)}" if code < 0 else f"failed with {describe_exit(code)}"
+                self.last_failure = f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else "")
                 self.update_status()
 
     def _pump(self, stream, handle) -> None:

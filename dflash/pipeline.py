@@ -43,6 +43,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
@@ -415,6 +416,14 @@ def send_end_markers(ctx: WorkerContext, index: int, end: int, device: torch.dev
 
 
 # --- entry point ---------------------------------------------------------------------------------
+def attempt_store(ctx: WorkerContext) -> dist.Store:
+    """torchrun's store (env:// rendezvous: MASTER_ADDR/PORT), under a prefix of its own for each
+    start of the group. torchrun keeps one store for all its restarts, and the process group's
+    keys (each rank's address) from an earlier start would otherwise be read as this start's."""
+    store, _, _ = next(rendezvous("env://", ctx.rank, ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT))
+    return dist.PrefixStore(f"dflash/start-{ctx.restart}", store)
+
+
 def worker_main(config_path: str) -> int:
     signal = StopSignal().install()
     die_with_parent()  # torchrun puts workers in sessions of their own: none outlives it
@@ -434,8 +443,8 @@ def worker_main(config_path: str) -> int:
         device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("nccl" if cuda else "gloo", store=attempt_store(ctx), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         try:
             if ctx.role == "drafter":
                 run_drafter(cfg, ctx, signal, device)

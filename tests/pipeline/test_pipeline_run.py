@@ -135,3 +135,57 @@ def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run)
     assert not run.group_alive()
     assert time.monotonic() - started < 170
 
+
+
+def wait_for_event(run, predicate, timeout: float = 120) -> tuple[int, dict]:
+    """(index, event) of the first event of the run's log that satisfies `predicate(index, event)`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = next(((i, e) for i, e in enumerate(run.events()) if predicate(i, e)), None)
+        if found:
+            return found
+        if run.process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"no such event (exit {run.process.poll()}):\n{run.log_path.read_text()[-3000:]}")
+
+
+def after(index: int, event: str):
+    """A predicate for `wait_for_event`: the first `event` after position `index` of the log."""
+    return lambda i, e: i > index and e["event"] == event
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
+        write_config, start_run, pid_alive):
+    config = write_config("restarts", optim={"total_steps": 10_000}, run={"save_every": 2, "step_delay": 0.1},
+                          pipeline={**PIPELINE, "max_restarts": 2})
+    run = start_run(config, env={"DFLASH_FAILURE_GRACE_S": "5"})
+    since = -1  # events after this position belong to the current start of the group (its restart event)
+    # SIGKILL, as an OOM kill would: a target, then the drafter, then a target once the limit is spent.
+    for restart, victim in enumerate(["target0", "drafter0", "target1"]):
+        index, _ = wait_for_event(run, after(since, "checkpoint"))
+        wait_for_event(run, after(index, "step"))
+        start = next(e for e in run.events()
+                     if e["event"] == "worker_start" and e["worker"] == victim and e["restart"] == restart)
+        os.kill(start["pid"], signal.SIGKILL)
+        if restart == 2:
+            break
+        since, _ = wait_for_event(run, after(index, "restart"))
+        resumed_at, resume = wait_for_event(run, after(since, "resume"))
+        events = run.events()
+        saved = [e["step"] for e in events[:resumed_at] if e["event"] == "checkpoint"]
+        assert resume["step"] == max(saved) and resume["checkpoint"].endswith(f"step-{max(saved):08d}")
+        _, first = wait_for_event(run, after(resumed_at, "step"))
+        assert first["step"] == resume["step"] + 1
+        assert [e["restart"] for e in events if e["event"] == "restart"] == list(range(1, restart + 2))
+
+    assert run.wait(timeout=120) == 1, run.log_path.read_text()[-3000:]
+    status = run.status()
+    assert status["state"] == "failed" and status["restarts"] == 2
+    assert "worker target1" in status["error"] and "SIGKILL" in status["error"], status["error"]
+    # Nothing is left: not the launcher's process group, not a worker of any start of the group.
+    pids = [e["pid"] for e in run.events() if e["event"] == "worker_start"]
+    assert len(pids) == 9
+    assert not run.group_alive()
+    assert not any(pid_alive(pid) for pid in pids)
