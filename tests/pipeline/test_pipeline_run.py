@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -189,3 +190,21 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
     assert len(pids) == 9
     assert not run.group_alive()
     assert not any(pid_alive(pid) for pid in pids)
+
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
+def test_the_pipeline_trains_on_two_gpus_with_nccl_bf16_target_and_fp32_master_drafter(
+        write_config, start_run):
+    run = start_run(write_config("gpus", model={"dtype": "bfloat16"}, optim={"total_steps": 20},
+                                 pipeline={"device": "cuda", "drafter_gpus": [0], "target_gpus": [1]}))
+    assert run.wait(timeout=240) == 0, run.log_path.read_text()[-3000:]
+    events = run.events()
+    # Devices from LOCAL_RANK: drafter0 is rank 0 on the layout's first GPU, target0 rank 1 on the next.
+    devices = {e["worker"]: e["device"] for e in events if e["event"] == "start"}
+    assert devices == {"drafter0": "cuda:0", "target0": "cuda:1"}
+    losses = step_losses(events)
+    assert len(losses) == 20 and all(loss == loss for loss in losses)
+    assert run.status()["state"] == "stopped" and not run.group_alive()
