@@ -187,6 +187,7 @@ class PipelineConfig(_Section):
     drafter_workers: int = 0
     queue_depth: int = 4
     threads_per_worker: int = 1
+    max_restarts: int = 3
     _name = "pipeline"
 
     def __post_init__(self) -> None:
@@ -202,6 +203,7 @@ class PipelineConfig(_Section):
         self._require(self.drafter_workers >= 0, "drafter_workers", "must be >= 0")
         self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")
         self._require(self.threads_per_worker >= 1, "threads_per_worker", "must be >= 1")
+        self._require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         if self.is_multi_process:
             self._check_layout()
 

@@ -1,19 +1,24 @@
-"""The launcher: the process that *is* a multi-process run.
+"""The thin parent of a multi-process run; torchrun (the elastic agent) does the rest.
 
 `run.sh` execs `python -m dflash.train --config <yaml>`; when the config's `pipeline` section asks
-for workers, that process becomes this launcher. It
+for workers, that process becomes this launcher. torchrun spawns the workers
+(`python -m dflash.pipeline`), runs the c10d rendezvous, sets RANK / LOCAL_RANK / WORLD_SIZE and
+restarts the whole group (up to `pipeline.max_restarts` times) when a worker dies. What torchrun
+does not give stays here:
 
-- resolves the layout (one worker per target GPU and per drafter GPU, or `target_workers` /
-  `drafter_workers` on CPU) and refuses a layout that overlaps or exceeds the visible GPUs;
-- starts the workers (`python -m dflash.pipeline`) in its own process group, each with its own
-  `CUDA_VISIBLE_DEVICES` and thread count, rendezvousing on a free loopback port;
-- forwards every worker's JSON log lines to its stdout (tagged with the worker's name) and keeps
-  the last lines of each worker's stderr for error reports;
-- owns `status.json` (step, loss, accuracy, tokens/s, last checkpoint, per-worker state);
-- on SIGTERM/SIGINT forwards SIGTERM to the workers (the drafters checkpoint, then every worker
-  exits) and exits 0 once all of them have exited cleanly;
-- when a worker fails, stops the others (SIGTERM, then SIGKILL after a grace period), logs the
-  worker's error and exits 1. Nothing is started outside the process group, nothing is left behind.
+- the layout: one worker per drafter GPU then per target GPU (global rank order, so rank 0 is
+  drafter 0), refused before anything starts when it overlaps or exceeds the visible GPUs; the
+  worker of local rank r uses `cuda:r`, and `CUDA_VISIBLE_DEVICES` lists the layout's GPUs in rank
+  order;
+- the log and `status.json`: every worker writes JSON lines to torchrun's stdout, which is this
+  process's pipe; they are forwarded to the run's log, and `status.json` (step, loss, last
+  checkpoint, restarts, the error, per-worker state) follows them;
+- the stop: torchrun's workers live in sessions of their own, so a SIGTERM to the run's process
+  group reaches this process and torchrun only. torchrun ignores it (it would raise and abandon
+  its workers on a second one); this process sends SIGTERM once to each worker, which finishes or
+  abandons its step (drafter 0 checkpoints) and exits 0, and torchrun then exits 0 too;
+- death with the parent: torchrun and every worker get SIGKILL when their parent dies, so a
+  SIGKILL to the process group leaves no worker behind in another session.
 
 It imports no torch: it stays small and answers signals at once.
 """
@@ -21,10 +26,12 @@ It imports no torch: it stays small and answers signals at once.
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
+import math
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,251 +43,289 @@ from dflash.config import ConfigError, PipelineConfig, TrainConfig
 from dflash.devices import visible_devices
 from dflash.runtime import EventLog, StatusFile
 
-# Seconds the other workers get to exit after one failed, before SIGKILL.
+# Seconds the workers get to exit after torchrun's SIGTERM (a failed worker, a finished run),
+# before torchrun's SIGKILL.
 FAILURE_GRACE_S = float(os.environ.get("DFLASH_FAILURE_GRACE_S", "10"))
 STDERR_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.05
+MONITOR_INTERVAL_S = 0.2  # how often torchrun looks at its workers
+_PR_SET_PDEATHSIG = 1
+# torchrun's log line for a worker that ended with an error (torch.distributed.elastic.multiprocessing).
+_TORCHRUN_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker process of the layout."""
 
-    name: str  # target0, target1, drafter0...
-    role: str  # "target" | "drafter"
+    name: str  # drafter0, drafter1..., target0...
+    role: str  # "drafter" | "target"
     role_rank: int  # index among the workers of its role
-    rank: int  # global torch.distributed rank: drafters first, so rank 0 is drafter 0
+    rank: int  # global torch.distributed rank (= LOCAL_RANK in one container): drafters first
     gpus: tuple[int, ...]  # the layout's GPU indices (into the launcher's visible GPUs); () on CPU
 
 
-def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
-    """The workers of a layout, or ConfigError when it names GPUs that are not visible here.
-    (PipelineConfig already refused layouts that cannot run anywhere.)"""
-    pipeline.check_visible_gpus(n_visible_gpus)
+def layout_counts(pipeline: PipelineConfig) -> tuple[int, int]:
+    """(drafters, targets) of a layout."""
     if pipeline.device == "cuda":
-        targets = [(g,) for g in pipeline.target_gpus]
-        drafters = [(g,) for g in pipeline.drafter_gpus]
-    else:
-        targets = [()] * pipeline.target_workers
-        drafters = [()] * pipeline.drafter_workers
-    specs = [WorkerSpec(f"drafter{i}", "drafter", i, i, gpus) for i, gpus in enumerate(drafters)]
-    first_target = len(drafters)
-    specs += [WorkerSpec(f"target{i}", "target", i, first_target + i, gpus) for i, gpus in enumerate(targets)]
-    return specs
+        return len(pipeline.drafter_gpus), len(pipeline.target_gpus)
+    return pipeline.drafter_workers, pipeline.target_workers
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def role_of(rank: int, n_drafters: int) -> tuple[str, str, int]:
+    """(name, role, role rank) of global rank `rank`: drafters first, then targets."""
+    if rank < n_drafters:
+        return f"drafter{rank}", "drafter", rank
+    return f"target{rank - n_drafters}", "target", rank - n_drafters
 
 
-def worker_environment(spec: WorkerSpec, world_size: int, port: int, pipeline: PipelineConfig,
-                       n_targets: int, n_drafters: int, devices: list[str]) -> dict[str, str]:
-    """The worker's environment: its ranks, the rendezvous, its GPUs (layout index i is the
-    launcher's i-th visible device), its thread count."""
-    env = dict(os.environ)
+def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
+    """The workers of a layout in rank order, or ConfigError when it names GPUs that are not
+    visible here. (PipelineConfig already refused layouts that cannot run anywhere.)"""
+    pipeline.check_visible_gpus(n_visible_gpus)
+    n_drafters, n_targets = layout_counts(pipeline)
+    gpus = [(g,) for g in pipeline.drafter_gpus + pipeline.target_gpus] or [()] * (n_drafters + n_targets)
+    return [WorkerSpec(*role_of(rank, n_drafters), rank, gpus[rank]) for rank in range(len(gpus))]
+
+
+def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int) -> list[str]:
+    """torchrun for one container: c10d rendezvous on loopback, one worker per layout slot."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "--nproc-per-node", str(n_workers), "--max-restarts", str(pipeline.max_restarts),
+        "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(math.ceil(FAILURE_GRACE_S)),
+        # SIGTERM/SIGINT are this launcher's to forward (see the module's docstring).
+        "--signals-to-handle", "SIGHUP,SIGQUIT",
+        "-m", "dflash.pipeline", "--config", config_path,
+    ]
+
+
+def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig,
+                         devices: list[str]) -> dict[str, str]:
+    """torchrun's environment (its workers inherit it): the layout's GPUs in rank order (the worker
+    of local rank r uses cuda:r), the thread count, loopback for the collectives' sockets."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     threads = str(pipeline.threads_per_worker)
     env.update({
-        "RANK": str(spec.rank),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "DFLASH_WORKER_NAME": spec.name,
-        "DFLASH_WORKER_ROLE": spec.role,
-        "DFLASH_ROLE_RANK": str(spec.role_rank),
-        "DFLASH_NUM_TARGETS": str(n_targets),
-        "DFLASH_NUM_DRAFTERS": str(n_drafters),
-        "DFLASH_LAUNCHER_PID": str(os.getpid()),
-        # An empty CUDA_VISIBLE_DEVICES hides every GPU from a CPU worker.
-        "CUDA_VISIBLE_DEVICES": ",".join(devices[i] for i in spec.gpus),
+        # An empty CUDA_VISIBLE_DEVICES hides every GPU from CPU workers.
+        "CUDA_VISIBLE_DEVICES": ",".join(devices[spec.gpus[0]] for spec in specs if spec.gpus),
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
     })
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.setdefault(name, "lo")  # one container: the rendezvous and the collectives stay on loopback
     return env
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _torchrun_setup() -> None:
+    """In torchrun before exec: SIGTERM and SIGINT ignored (they are the launcher's), death with
+    the launcher."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 @dataclass
-class Worker:
+class WorkerState:
     spec: WorkerSpec
-    process: subprocess.Popen
+    pid: int
     state: str = "starting"
-    stderr_tail: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.poll()
+    error: str | None = None
 
 
-def _describe_exit(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-
-
+@dataclass
 class Launcher:
-    def __init__(self, cfg: TrainConfig, config_path: str):
-        self.cfg = cfg
-        self.config_path = str(Path(config_path).resolve())
-        self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
-        self.specs = plan_workers(cfg.pipeline, len(self.devices))
-        self.status = StatusFile(cfg.run.output_dir)
-        self.log = EventLog(cfg.optim.total_steps)
-        self.workers: list[Worker] = []
-        self.lock = threading.Lock()
+    cfg: TrainConfig
+    config_path: str
+    devices: list[str] = field(default_factory=list)
+    specs: list[WorkerSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.config_path = str(Path(self.config_path).resolve())
+        if self.cfg.pipeline.device == "cuda":
+            self.devices = visible_devices()
+        self.specs = plan_workers(self.cfg.pipeline, len(self.devices))
+        self.status = StatusFile(self.cfg.run.output_dir)
+        self.log = EventLog(self.cfg.optim.total_steps)
+        self.lock = threading.RLock()
+        self.workers: dict[str, WorkerState] = {}  # the current attempt's workers, by name
+        self.attempt = 0  # torchrun's restart count
         self.stop_requested = False
         self.stop_forwarded = False
-        self.failure: str | None = None
-        self.kill_deadline: float | None = None
+        self.last_failure: str | None = None
+        self.stderr_tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.process: subprocess.Popen | None = None
 
-    # --- logging and status -------------------------------------------------------------------
+    # --- the log and status.json -------------------------------------------------------------
     def emit(self, event: str, **fields) -> None:
         with self.lock:
             self.log.emit(event, **fields)
 
-    def forward(self, record: dict) -> None:
-        with self.lock:
-            sys.stdout.write(json.dumps(record) + "\n")
-            sys.stdout.flush()
-
-    def _worker_table(self) -> dict:
-        return {w.spec.name: {"state": w.state, "pid": w.process.pid, "gpus": list(w.spec.gpus)}
-                for w in self.workers}
-
     def update_status(self, **fields) -> None:
         with self.lock:
-            self.status.update(workers=self._worker_table(), **fields)
+            table = {name: {"state": w.state, "pid": w.pid, "gpus": list(w.spec.gpus)}
+                     for name, w in sorted(self.workers.items())}
+            self.status.update(workers=table, **fields)
 
-    def _on_worker_line(self, worker: Worker, line: str) -> None:
+    def _on_line(self, line: str) -> None:
         try:
             record = json.loads(line)
         except ValueError:
             record = None
-        if not isinstance(record, dict) or "event" not in record:
-            with self.lock:
-                sys.stdout.write(f"[{worker.spec.name}] {line}\n")
-                sys.stdout.flush()
+        with self.lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            if isinstance(record, dict) and "event" in record:
+                self._on_event(record)
+
+    def _on_event(self, record: dict) -> None:
+        event, name = record["event"], record.get("worker")
+        if event == "worker_start":
+            self._on_worker_start(record)
             return
-        record.setdefault("worker", worker.spec.name)
-        self.forward(record)
-        event = record["event"]
-        if event == "start":
+        worker = self.workers.get(name)
+        if event == "start" and worker is not None:
             worker.state = "stopping" if self.stop_forwarded else "running"
             self.update_status()
         elif event == "step":
-            self.update_status(**{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
-            with self.lock:
-                self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
+            self.update_status(state="stopping" if self.stop_forwarded else "running",
+                               **{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
+            self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
         elif event == "heldout":
             self.update_status(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
         elif event in ("checkpoint", "resume"):
             path = record.get("path") or record.get("checkpoint")
             self.update_status(step=record.get("step"), last_checkpoint=path)
-        elif event == "stop":
+        elif event == "error" and worker is not None:
+            worker.error = record.get("message")
+        elif event == "stop" and worker is not None:
             worker.state = "stopped"
             self.update_status()
-        if event == "stop" and worker.spec.role == "drafter":
-            # The drafters have checkpointed and stop: the targets must stop feeding them.
-            self.ask_to_stop([w for w in self.workers if w.spec.role == "target"])
+            if worker.spec.role == "drafter":
+                # The drafters have checkpointed and stop: the targets must stop feeding them.
+                self._ask_to_stop([w for w in self.workers.values() if w.spec.role == "target"])
+        elif event == "worker_exit" and worker is not None:
+            worker.state = "exited" if record.get("returncode") == 0 else "failed"
+            self.update_status()
 
-    def _pump_stdout(self, worker: Worker) -> None:
-        for raw in worker.process.stdout:
-            self._on_worker_line(worker, raw.rstrip("\n"))
+    def _on_worker_start(self, record: dict) -> None:
+        restart = int(record.get("restart", 0))
+        if restart > self.attempt:  # torchrun restarted the group
+            self.attempt = restart
+            self.workers = {}
+            cause = self.last_failure or "a worker failed"
+            self.emit("restart", restart=restart, max_restarts=self.cfg.pipeline.max_restarts, cause=cause)
+            self.update_status(state="stopping" if self.stop_requested else "starting", restarts=restart)
+        spec = self.specs[int(record["rank"])]
+        worker = WorkerState(spec, int(record["pid"]))
+        self.workers[spec.name] = worker
+        self.update_status()
+        if self.stop_forwarded:  # started after the stop was asked for: it stops at once
+            self._ask_to_stop([worker])
 
-    def _pump_stderr(self, worker: Worker) -> None:
-        for raw in worker.process.stderr:
-            line = raw.rstrip("\n")
-            worker.stderr_tail.append(line)
-            with self.lock:
-                sys.stderr.write(f"[{worker.spec.name}] {line}\n")
-                sys.stderr.flush()
+    def _on_stderr(self, line: str) -> None:
+        with self.lock:
+            self.stderr_tail.append(line)
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+            match = _TORCHRUN_FAILURE.search(line)
+            if match:
+                code, local_rank, pid = (int(g) for g in match.groups())
+                spec = self.specs[local_rank] if local_rank < len(self.specs) else None
+                name = spec.name if spec else f"local rank {local_rank}"
+                worker = self.workers.get(name)
+                if worker is not None and worker.pid == pid:
+                    worker.state = "failed"
+                detail = worker.error if worker is not None and worker.error else None
+                how = f"was {describe_exit(code)}" if code < 0 else f"failed with {describe_exit(code)}"
+                self.last_failure = f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else "")
+                self.update_status()
 
-    # --- lifecycle ----------------------------------------------------------------------------
-    def start_workers(self) -> None:
-        port = free_loopback_port()
-        n_targets = sum(s.role == "target" for s in self.specs)
-        n_drafters = len(self.specs) - n_targets
-        for spec in self.specs:
-            env = worker_environment(spec, len(self.specs), port, self.cfg.pipeline, n_targets, n_drafters,
-                                     self.devices)
-            process = subprocess.Popen(
-                [sys.executable, "-m", "dflash.pipeline", "--config", self.config_path],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, bufsize=1,  # same process group as the launcher: never a new session
-            )
-            self.workers.append(Worker(spec, process))
-        for worker in self.workers:
-            for pump in (self._pump_stdout, self._pump_stderr):
-                thread = threading.Thread(target=pump, args=(worker,), daemon=True)
-                thread.start()
-                worker.threads.append(thread)
+    def _pump(self, stream, handle) -> None:
+        for raw in stream:
+            handle(raw.rstrip("\n"))
 
-    def ask_to_stop(self, workers: list[Worker]) -> None:
-        """SIGTERM to those of `workers` that have not begun to stop (a worker that is already
-        finishing needs no second request)."""
+    # --- the stop ----------------------------------------------------------------------------
+    def _ask_to_stop(self, workers: list[WorkerState]) -> None:
+        """SIGTERM, once, to those of `workers` that have not begun to stop."""
         for worker in workers:
-            if worker.returncode is None and worker.state in ("starting", "running"):
+            if worker.state in ("starting", "running"):
                 worker.state = "stopping"
-                worker.process.send_signal(signal.SIGTERM)
-        self.update_status(state="stopping")
-
-    def signal_workers(self, signum: int) -> None:
-        for worker in self.workers:
-            if worker.returncode is None:
                 try:
-                    worker.process.send_signal(signum)
+                    os.kill(worker.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        self.update_status()
 
     def _handle_stop_signal(self, signum, frame) -> None:
         self.stop_requested = True
 
-    def _check_workers(self) -> None:
-        for worker in self.workers:
-            code = worker.returncode
-            if code is None or worker.state in ("exited", "failed"):
-                continue
-            for thread in worker.threads:  # the pipes close when the process exits
-                thread.join(timeout=2)
-            worker.state = "exited" if code == 0 else "failed"
-            self.emit("worker_exit", worker=worker.spec.name, pid=worker.process.pid, returncode=code)
-            if code != 0 and self.failure is None:
-                last_error = next((line for line in reversed(worker.stderr_tail) if line.strip()), "")
-                self.failure = (f"worker {worker.spec.name} (pid {worker.process.pid}) failed with "
-                                f"{_describe_exit(code)}: {last_error or 'no error output'}")
-                self.emit("error", worker=worker.spec.name, message=self.failure,
-                          stderr_tail="\n".join(worker.stderr_tail))
-                self.signal_workers(signal.SIGTERM)
-                self.kill_deadline = time.monotonic() + FAILURE_GRACE_S
-            self.update_status()
-
+    # --- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._handle_stop_signal)
         signal.signal(signal.SIGINT, self._handle_stop_signal)
-        self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs])
+        command = torchrun_command(self.cfg.pipeline, self.config_path, len(self.specs))
+        self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs],
+                  max_restarts=self.cfg.pipeline.max_restarts)
         self.status.update(state="starting", pid=os.getpid(), step=0, workers={})
-        self.start_workers()
-        self.update_status(state="running")
-        while any(w.returncode is None for w in self.workers) or any(
-                w.state not in ("exited", "failed") for w in self.workers):
+        self.process = subprocess.Popen(
+            command, env=torchrun_environment(self.specs, self.cfg.pipeline, self.devices),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            preexec_fn=_torchrun_setup,  # same process group as the launcher: never a new session
+        )
+        streams = ((self.process.stdout, self._on_line), (self.process.stderr, self._on_stderr))
+        pumps = [threading.Thread(target=self._pump, args=pair, daemon=True) for pair in streams]
+        for pump in pumps:
+            pump.start()
+        while self.process.poll() is None:
             if self.stop_requested and not self.stop_forwarded:
-                self.stop_forwarded = True
-                self.emit("stop", reason="signal", worker="launcher")
-                self.ask_to_stop(self.workers)
-            self._check_workers()
-            if self.kill_deadline is not None and time.monotonic() > self.kill_deadline:
-                self.signal_workers(signal.SIGKILL)
-                self.kill_deadline = None
+                with self.lock:
+                    self.stop_forwarded = True
+                    self.emit("stop", reason="signal", worker="launcher")
+                    self.update_status(state="stopping")
+                    self._ask_to_stop(list(self.workers.values()))
             time.sleep(POLL_INTERVAL_S)
-        if self.failure:
-            self.update_status(state="failed")
-            self.emit("exit", returncode=1, error=self.failure)
-            print(f"dflash.train: {self.failure}", file=sys.stderr)
-            return 1
-        self.update_status(state="stopped")
-        self.emit("exit", returncode=0)
-        return 0
+        for pump in pumps:  # the pipes close when torchrun and its workers are gone
+            pump.join(timeout=10)
+        return self._finish(self.process.returncode)
+
+    def _finish(self, code: int) -> int:
+        exited = [w for w in self.workers.values() if w.state == "exited"]
+        clean = len(exited) == len(self.specs)
+        if code == 0 or (self.stop_requested and clean):
+            self.update_status(state="stopped")
+            self.emit("exit", returncode=0, restarts=self.attempt)
+            return 0
+        last_line = next((line for line in reversed(self.stderr_tail) if line.strip()), "no error output")
+        error = self.last_failure or f"torchrun failed with {describe_exit(code)}: {last_line}"
+        if self.attempt >= self.cfg.pipeline.max_restarts and self.last_failure:
+            error += f" (after {self.attempt} restart(s) of {self.cfg.pipeline.max_restarts} allowed)"
+        self.emit("error", message=error, stderr_tail="\n".join(self.stderr_tail))
+        self.update_status(state="failed", error=error)
+        self.emit("exit", returncode=1, error=error, restarts=self.attempt)
+        print(f"dflash.train: {error}", file=sys.stderr)
+        return 1
 
 
 def launch(cfg: TrainConfig, config_path: str) -> int:

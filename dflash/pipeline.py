@@ -1,8 +1,10 @@
 """Pipeline workers: target ranks feed packed hidden states to drafter ranks that train with DDP.
 
-The launcher (`dflash.launcher`) starts one `python -m dflash.pipeline --config <yaml>` per worker
-with its role and ranks in the environment. Ranks talk through `torch.distributed` (gloo on CPU,
-nccl on GPUs), so the same code can later span containers or nodes.
+torchrun, started by the launcher (`dflash.launcher`), runs one `python -m dflash.pipeline --config
+<yaml>` per worker with RANK, LOCAL_RANK and WORLD_SIZE set; the role follows from the global rank
+(drafters first: rank 0 is drafter 0) and the device from LOCAL_RANK (`cuda:LOCAL_RANK`). Ranks
+talk through `torch.distributed` (gloo on CPU, nccl on GPUs). When torchrun restarts the group
+after a worker died, every worker resumes from the latest checkpoint.
 
 Batch schedule. Batches are numbered i = 0, 1, 2... in the data order of a single-process run
 (`BatchOrder`, resumed from the checkpoint's data position). Target rank j computes the batches
@@ -17,7 +19,8 @@ Flow control. Each drafter receives on a thread into a queue of `queue_depth` ba
 target's send completes only when a receive is posted, so at most about queue_depth batches are
 in flight per drafter and the slower side sets the pace.
 
-Stopping. SIGTERM reaches every worker (the group, or the launcher forwarding it). A target
+Stopping. SIGTERM reaches every worker (from the launcher, or from torchrun when it stops the
+group to restart it). A target
 finishes the batch at hand, sends an end marker to each drafter that still expects batches from
 it, and exits 0. Drafters agree (an all-reduce among them) to stop before the next step when any
 of them was signalled or lost its feed, drafter 0 writes the checkpoint, and all drain what is
@@ -41,9 +44,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
-from dflash.config import ConfigError, TrainConfig, load_config
+from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
+from dflash.launcher import die_with_parent, layout_counts, role_of
 from dflash.runtime import EventLog, StopSignal
 from dflash.target import load_target, load_target_head, target_hidden_states
 from dflash.train import DrafterRun
@@ -61,26 +66,32 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """Who this worker is, from the environment the launcher set."""
+    """Who this worker is: its ranks from torchrun's environment, its role from the layout."""
 
     name: str
     role: str
     role_rank: int
     rank: int
+    local_rank: int
     world_size: int
     num_targets: int
     num_drafters: int
+    restart: int  # torchrun's restart count: 0 for the first start
 
     @classmethod
-    def from_env(cls) -> WorkerContext:
+    def from_env(cls, pipeline: PipelineConfig) -> WorkerContext:
         env = os.environ
         try:
-            return cls(env["DFLASH_WORKER_NAME"], env["DFLASH_WORKER_ROLE"], int(env["DFLASH_ROLE_RANK"]),
-                       int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["DFLASH_NUM_TARGETS"]),
-                       int(env["DFLASH_NUM_DRAFTERS"]))
+            rank, local_rank, world_size = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
         except KeyError as missing:
-            raise SystemExit(f"dflash.pipeline: {missing} is not set; workers are started by the launcher "
-                             "(python -m dflash.train with a pipeline layout)") from None
+            raise SystemExit(f"dflash.pipeline: {missing} is not set; workers are started by torchrun "
+                             "through the launcher (python -m dflash.train with a pipeline layout)") from None
+        num_drafters, num_targets = layout_counts(pipeline)
+        if world_size != num_drafters + num_targets:
+            raise ConfigError("pipeline", f"the layout has {num_drafters} drafter and {num_targets} target "
+                              f"workers, torchrun started {world_size}")
+        return cls(*role_of(rank, num_drafters), rank, local_rank, world_size, num_targets, num_drafters,
+                   int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def target_rank(self, batch_index: int) -> int:
         """Global rank of the target worker that computes batch `batch_index`."""
@@ -98,15 +109,16 @@ def maybe_inject_failure(ctx: WorkerContext, count: int) -> None:
 
 
 class WorkerLog(EventLog):
-    """JSON lines to stdout for the launcher; only drafter 0 reports steps and checkpoints."""
+    """JSON lines to stdout (the launcher's pipe), each tagged with the worker's name; only
+    drafter 0 reports steps and checkpoints."""
 
-    def __init__(self, total_steps: int, leader: bool):
+    def __init__(self, total_steps: int, worker: str, leader: bool = False):
         super().__init__(total_steps)  # stderr is the launcher's pipe: no bar here, the launcher draws it
-        self.leader = leader
+        self.worker, self.leader = worker, leader
 
     def emit(self, event: str, **fields) -> None:
         if self.leader or event not in ("step", "checkpoint", "resume", "heldout"):
-            super().emit(event, **fields)
+            super().emit(event, worker=self.worker, **fields)
 
 
 class NoStatus:
@@ -328,7 +340,7 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device
     ranks = list(range(ctx.num_drafters))
     group = drafter_group(ctx, ranks)
     leader = ctx.role_rank == 0
-    run = PipelineDrafterRun(cfg, ctx, WorkerLog(cfg.optim.total_steps, leader), signal, device,
+    run = PipelineDrafterRun(cfg, ctx, WorkerLog(cfg.optim.total_steps, ctx.name, leader), signal, device,
                              group if ctx.num_drafters > 1 else None)
     run.resume()
     first_step = run.trainer.step
@@ -366,7 +378,7 @@ def run_end_step(cfg: TrainConfig, first_step: int) -> int:
 
 # --- target ranks --------------------------------------------------------------------------------
 def run_target(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device: torch.device) -> str:
-    log = WorkerLog(cfg.optim.total_steps, leader=False)
+    log = WorkerLog(cfg.optim.total_steps, ctx.name)
     drafter_group(ctx, list(range(ctx.num_drafters)))
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
@@ -411,20 +423,35 @@ def send_end_markers(ctx: WorkerContext, index: int, end: int, device: torch.dev
 
 
 # --- entry point ---------------------------------------------------------------------------------
+def attempt_store(ctx: WorkerContext) -> dist.Store:
+    """torchrun's store (env:// rendezvous: MASTER_ADDR/PORT), under a prefix of its own for each
+    start of the group. torchrun keeps one store for all its restarts, and the process group's
+    keys (each rank's address) from an earlier start would otherwise be read as this start's."""
+    store, _, _ = next(rendezvous("env://", ctx.rank, ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT))
+    return dist.PrefixStore(f"dflash/start-{ctx.restart}", store)
+
+
 def worker_main(config_path: str) -> int:
-    ctx = WorkerContext.from_env()
     signal = StopSignal().install()
+    die_with_parent()  # torchrun puts workers in sessions of their own: none outlives it
+    name = f"rank {os.environ.get('RANK', '?')}"
+    log = WorkerLog(0, name)
+    code = 1
     try:
         cfg = load_config(config_path)
+        ctx = WorkerContext.from_env(cfg.pipeline)
+        log = WorkerLog(0, ctx.name)
+        log.emit("worker_start", pid=os.getpid(), rank=ctx.rank, local_rank=ctx.local_rank,
+                 restart=ctx.restart)
         torch.set_num_threads(cfg.pipeline.threads_per_worker)
         cuda = cfg.pipeline.device == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ConfigError("pipeline.device", "'cuda' requested but this worker sees no CUDA device")
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("nccl" if cuda else "gloo", store=attempt_store(ctx), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         try:
             if ctx.role == "drafter":
                 run_drafter(cfg, ctx, signal, device)
@@ -432,28 +459,29 @@ def worker_main(config_path: str) -> int:
                 run_target(cfg, ctx, signal, device)
         finally:
             dist.destroy_process_group()
-        return 0
+        code = 0
     except (ConfigError, DataError, FileNotFoundError) as exc:
-        EventLog(0).emit("error", message=str(exc))
-        print(f"{ctx.name}: {exc}", file=sys.stderr)
-        return 2
+        log.emit("error", message=str(exc))
+        print(f"{log.worker}: {exc}", file=sys.stderr)
+        code = 2
     except Exception as exc:
-        EventLog(0).emit("error", message=f"{type(exc).__name__}: {exc}")
+        log.emit("error", message=f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
-        return 1
     finally:
+        log.emit("worker_exit", pid=os.getpid(), returncode=code)
         # The work is over. Python's shutdown puts the default (fatal) SIGTERM action back before
         # the process is gone; ignoring the signal instead keeps a late stop request from turning
         # a clean exit into a kill.
         for signum in (signal_module.SIGTERM, signal_module.SIGINT):
             signal_module.signal(signum, signal_module.SIG_IGN)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash.pipeline",
-        description="One worker of a pipeline run. Started by the launcher (python -m dflash.train with "
-                    "a pipeline layout), which sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and DFLASH_WORKER_*.",
+        description="One worker of a pipeline run. Started by torchrun through the launcher (python -m "
+                    "dflash.train with a pipeline layout); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.",
     )
     parser.add_argument("--config", required=True, help="path to the YAML training config")
     args = parser.parse_args(argv)

@@ -83,7 +83,7 @@ class StatusFile:
         self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
                        "heldout_loss": None, "heldout_tau": None, "last_checkpoint": None,
-                       "pid": os.getpid(), "workers": workers or {}}
+                       "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {}}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)

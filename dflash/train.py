@@ -213,13 +213,13 @@ def run_single_process(cfg: TrainConfig) -> int:
         return EXIT_OK
     except (ConfigError, DataError, FileNotFoundError) as exc:
         worker["state"] = "failed"
-        status.update(state="failed")
+        status.update(state="failed", error=str(exc))
         log.emit("error", message=str(exc))
         print(f"dflash.train: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
         worker["state"] = "failed"
-        status.update(state="failed")
+        status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         log.emit("error", message=f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
         return EXIT_CRASH

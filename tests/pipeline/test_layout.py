@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dflash.config import ConfigError, PipelineConfig
-from dflash.launcher import plan_workers, worker_environment
+from dflash.launcher import plan_workers, torchrun_command, torchrun_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,21 +23,31 @@ def test_production_layout_pins_one_gpu_per_worker():
         ("target0", 3, (0,)), ("target1", 4, (1,)), ("target2", 5, (2,)), ("target3", 6, (3,)),
         ("target4", 7, (4,)),
     ]
-    # Layout indices count within the launcher's own visible GPUs.
+    # Layout indices count within the launcher's own visible GPUs; the worker of local rank r
+    # uses cuda:r, so CUDA_VISIBLE_DEVICES lists the layout's GPUs in rank order.
     devices = ["8", "9", "10", "11", "12", "13", "14", "15"]
-    env = worker_environment(workers[3], len(workers), 29500, layout, 5, 3, devices)
-    assert env["CUDA_VISIBLE_DEVICES"] == "8" and env["RANK"] == "3" and env["WORLD_SIZE"] == "8"
-    first_drafter = worker_environment(workers[0], len(workers), 29500, layout, 5, 3, devices)
-    assert first_drafter["CUDA_VISIBLE_DEVICES"] == "13"
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["DFLASH_WORKER_ROLE"] == "target"
+    env = torchrun_environment(workers, layout, devices)
+    assert env["CUDA_VISIBLE_DEVICES"] == "13,14,15,8,9,10,11,12"
+    assert "RANK" not in env and "MASTER_ADDR" not in env  # torchrun's to set
+
+
+def test_torchrun_runs_the_layout_on_loopback_with_the_restart_limit():
+    layout = PipelineConfig(target_workers=2, drafter_workers=1, threads_per_worker=1, max_restarts=5)
+    command = torchrun_command(layout, "/srv/config.yaml", 3)
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    flags = dict(zip(command, command[1:], strict=False))
+    assert flags["--nproc-per-node"] == "3" and flags["--max-restarts"] == "5"
+    assert command[-4:] == ["-m", "dflash.pipeline", "--config", "/srv/config.yaml"]
+    assert PipelineConfig().max_restarts == 3
 
 
 def test_cpu_layout_hides_gpus_and_sets_threads():
     layout = PipelineConfig(target_workers=2, drafter_workers=1, threads_per_worker=1)
     workers = plan_workers(layout, n_visible_gpus=0)
     assert [w.name for w in workers] == ["drafter0", "target0", "target1"]
-    env = worker_environment(workers[1], 3, 29500, layout, n_targets=2, n_drafters=1, devices=[])
+    env = torchrun_environment(workers, layout, devices=[])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
 
 
 @pytest.mark.parametrize("layout, visible, message", [
@@ -49,6 +59,8 @@ def test_cpu_layout_hides_gpus_and_sets_threads():
     (dict(device="cuda", target_workers=2, drafter_workers=1), 8, "are for device cpu"),
     (dict(device="cpu", target_gpus=[0], drafter_gpus=[1]), 8, "need device cuda"),
     (dict(device="cpu", target_workers=2, drafter_workers=0), 0, "drafter_workers >= 1"),
+    (dict(device="cpu", target_workers=1, drafter_workers=1, max_restarts=-1), 0,
+     "max_restarts: must be >= 0"),
 ])
 def test_layouts_that_cannot_run_are_config_errors(layout, visible, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -120,7 +121,8 @@ def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exac
 
 @pytest.mark.slow
 def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
-    run = start_run(write_config("crash", optim={"total_steps": 10_000}, pipeline=PIPELINE),
+    run = start_run(write_config("crash", optim={"total_steps": 10_000},
+                                 pipeline={**PIPELINE, "max_restarts": 0}),
                     env={"DFLASH_TEST_FAIL_AT": "target1:2", "DFLASH_FAILURE_GRACE_S": "5"})
     started = time.monotonic()
     assert run.wait(timeout=180) == 1
@@ -128,7 +130,81 @@ def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run)
     assert "injected failure in target1 at 2" in log
     errors = [e for e in run.events() if e["event"] == "error" and "worker target1" in e.get("message", "")]
     assert errors and "injected failure" in errors[0]["message"]
-    assert run.status()["state"] == "failed"
+    status = run.status()
+    assert status["state"] == "failed" and "worker target1" in status["error"]
+    assert "injected failure" in status["error"]
     assert not run.group_alive()
     assert time.monotonic() - started < 170
 
+
+
+def wait_for_event(run, predicate, timeout: float = 120) -> tuple[int, dict]:
+    """(index, event) of the first event of the run's log that satisfies `predicate(index, event)`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = next(((i, e) for i, e in enumerate(run.events()) if predicate(i, e)), None)
+        if found:
+            return found
+        if run.process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"no such event (exit {run.process.poll()}):\n{run.log_path.read_text()[-3000:]}")
+
+
+def after(index: int, event: str):
+    """A predicate for `wait_for_event`: the first `event` after position `index` of the log."""
+    return lambda i, e: i > index and e["event"] == event
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
+        write_config, start_run, pid_alive):
+    config = write_config("restarts", optim={"total_steps": 10_000}, run={"save_every": 2, "step_delay": 0.1},
+                          pipeline={**PIPELINE, "max_restarts": 2})
+    run = start_run(config, env={"DFLASH_FAILURE_GRACE_S": "5"})
+    since = -1  # events after this position belong to the current start of the group (its restart event)
+    # SIGKILL, as an OOM kill would: a target, then the drafter, then a target once the limit is spent.
+    for restart, victim in enumerate(["target0", "drafter0", "target1"]):
+        index, _ = wait_for_event(run, after(since, "checkpoint"))
+        wait_for_event(run, after(index, "step"))
+        start = next(e for e in run.events()
+                     if e["event"] == "worker_start" and e["worker"] == victim and e["restart"] == restart)
+        os.kill(start["pid"], signal.SIGKILL)
+        if restart == 2:
+            break
+        since, _ = wait_for_event(run, after(index, "restart"))
+        resumed_at, resume = wait_for_event(run, after(since, "resume"))
+        events = run.events()
+        saved = [e["step"] for e in events[:resumed_at] if e["event"] == "checkpoint"]
+        assert resume["step"] == max(saved) and resume["checkpoint"].endswith(f"step-{max(saved):08d}")
+        _, first = wait_for_event(run, after(resumed_at, "step"))
+        assert first["step"] == resume["step"] + 1
+        assert [e["restart"] for e in events if e["event"] == "restart"] == list(range(1, restart + 2))
+
+    assert run.wait(timeout=120) == 1, run.log_path.read_text()[-3000:]
+    status = run.status()
+    assert status["state"] == "failed" and status["restarts"] == 2
+    assert "worker target1" in status["error"] and "SIGKILL" in status["error"], status["error"]
+    # Nothing is left: not the launcher's process group, not a worker of any start of the group.
+    pids = [e["pid"] for e in run.events() if e["event"] == "worker_start"]
+    assert len(pids) == 9
+    assert not run.group_alive()
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
+def test_the_pipeline_trains_on_two_gpus_with_nccl_bf16_target_and_fp32_master_drafter(
+        write_config, start_run):
+    run = start_run(write_config("gpus", model={"dtype": "bfloat16"}, optim={"total_steps": 20},
+                                 pipeline={"device": "cuda", "drafter_gpus": [0], "target_gpus": [1]}))
+    assert run.wait(timeout=240) == 0, run.log_path.read_text()[-3000:]
+    events = run.events()
+    # Devices from LOCAL_RANK: drafter0 is rank 0 on the layout's first GPU, target0 rank 1 on the next.
+    devices = {e["worker"]: e["device"] for e in events if e["event"] == "start"}
+    assert devices == {"drafter0": "cuda:0", "target0": "cuda:1"}
+    losses = step_losses(events)
+    assert len(losses) == 20 and all(loss == loss for loss in losses)
+    assert run.status()["state"] == "stopped" and not run.group_alive()
