@@ -48,7 +48,7 @@ def test_fetch_metrics_draws_the_fleets_curves_on_the_controller(fleet, tmp_path
     wait_for_heldout(fleet, 200)
     res = fleet.play("fetch_metrics.yml", "-e", f"dflash_metrics_dir={tmp_path}")
     assert res.rc == 0, res
-    fetched = (tmp_path / "ct200" / "metrics.jsonl").read_text().splitlines()
+    fetched = (tmp_path / "ct200.metrics.jsonl").read_text().splitlines()
     assert any('"kind": "heldout"' in line for line in fetched), fetched[-3:]
     for name in ("loss.png", "tau.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
