@@ -103,6 +103,10 @@ class RunTelemetry:
                 self.warn(f"no TensorBoard event files ({exc}); metrics.jsonl has the same figures")
                 return None
             self._writer = SummaryWriter(str(ensure_dir(self.output_dir / TENSORBOARD_DIR)))
+            # The writer opens its event file with the process's umask; like every file of the run it
+            # must not be writable by group or others.
+            for event_file in (self.output_dir / TENSORBOARD_DIR).iterdir():
+                event_file.chmod(output_mode(FILE_MODE))
         return self._writer
 
     def record(self, kind: str, step: int, figures: dict) -> None:

@@ -250,11 +250,11 @@ def local_inventory(directory):
 class Fleet:
     """A pvesim with the sim inventory's group_vars next to its hosts.yml, and helpers to look inside."""
 
-    def __init__(self, base, nodes, containers):
+    def __init__(self, base, nodes, containers, gpus=8):
         self.base = base
         (base / "inventory").mkdir(parents=True, exist_ok=True)
         (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)
-        self.sim = up(nodes=nodes, containers=containers, gpus=8, state_dir=base / "state",
+        self.sim = up(nodes=nodes, containers=containers, gpus=gpus, state_dir=base / "state",
                       inventory=base / "inventory" / "hosts.yml")
         self.src = snapshot_source(base / "src")
         self.assets = prepare_assets()
@@ -264,9 +264,11 @@ class Fleet:
         return self.sim.inventory_path
 
     def play(self, playbook, *args, timeout=900):
-        """Run a playbook of playbooks/ against the fleet (the last run's artifacts: base/last-play/)."""
-        return run_playbook(playbook, self.inventory, *args, timeout=timeout,
-                            keep_dir=self.base / "last-play",
+        """Run a playbook of playbooks/ against the fleet. Each run keeps its artifacts in a directory of
+        its own under base/plays/ (plays may run at once: two restarts of one container, say)."""
+        (self.base / "plays").mkdir(exist_ok=True)
+        private = Path(tempfile.mkdtemp(prefix=f"{Path(playbook).stem}-", dir=self.base / "plays"))
+        return run_playbook(playbook, self.inventory, *args, timeout=timeout, keep_dir=private,
                             extravars={"dflash_release_source_dir": str(self.src / "dflash")},
                             envvars={"DFLASH_SIM_ASSETS": str(self.assets)})
 

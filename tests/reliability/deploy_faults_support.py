@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pvesim import procs
-from pvesim.fleet import REPO, VENV_BIN
+from pvesim.fleet import REPO, VENV_BIN, ansible_env
 
 VMID = 200
 RELEASES = "/opt/dflash/releases"
@@ -74,8 +74,7 @@ def last_heading(output: str) -> str:
 def deploy_argv(fleet) -> list[str]:
     """What Fleet.play runs for deploy.yml, for a run that must be killed half-way."""
     return [str(VENV_BIN / "ansible-playbook"), "-i", str(fleet.inventory),
-            str(REPO / "playbooks" / "deploy.yml"), "-e", f"dflash_env_project_dir={fleet.src}",
-            "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}"]
+            str(REPO / "playbooks" / "deploy.yml"), "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}"]
 
 
 @dataclass
@@ -135,7 +134,8 @@ def kill_in_container(pids: list[int]) -> list[int]:
 def kill_deploy_when(fleet, due, log: Path, delay: float | None = None, poll_s=0.01) -> KilledDeploy:
     """Run deploy.yml in its own process group and SIGKILL the whole group as soon as `due(elapsed
     seconds)` is true (checked every `poll_s`); a deploy that ends first is reported not killed."""
-    env = {**fleet.env(), "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
+    env = {**ansible_env(DFLASH_SIM_ASSETS=str(fleet.assets)),
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,

@@ -270,7 +270,9 @@ def shared_fleet(tmp_path_factory):
     if "fleet" in _SHARED:
         yield _SHARED["fleet"]
         return
-    fleet = Fleet(tmp_path_factory.mktemp("stops-fleet"), nodes=1, containers=CONTAINERS)
+    # Four GPUs per container (the run's two, a second run's one, one spare): 16 on the node.
+    fleet = Fleet(tmp_path_factory.mktemp("stops-fleet"), nodes=1, containers=CONTAINERS,
+                  gpus=4 * len(CONTAINERS))
     try:
         res = fleet.play("deploy.yml", "-e", f"dflash_fleet_serial={len(CONTAINERS)}", timeout=1800)
         if res.rc != 0:

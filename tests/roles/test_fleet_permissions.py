@@ -29,7 +29,7 @@ def test_deploy_without_start_makes_the_release_live_and_starts_nothing(fleet):
     assert res.rc == 0, res
     release = fleet.live_release(VMID)
     assert release.startswith("/opt/dflash/releases/")
-    shipped = fleet.ct(VMID, f"test -x {release}/run.sh && test -f /opt/dflash/venv/.dflash-ops-build")
+    shipped = fleet.ct(VMID, f"test -x {release}/run.sh && test -x /opt/dflash/venv/bin/python")
     assert shipped.returncode == 0
     assert fleet.run_info(VMID) is None
     assert fleet.ct(VMID, "test -e /var/log/dflash/main.log").returncode != 0
