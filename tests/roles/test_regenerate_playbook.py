@@ -1,0 +1,49 @@
+"""regenerate_data.yml: the target answers a prompt set in the container, started like a run (its own
+pidfile and log) from the live release; the playbook returns once every row is written, and fails
+clearly when the regeneration cannot finish."""
+
+import json
+import shlex
+
+import pytest
+
+from pvesim.fleet import Fleet
+
+pytestmark = [pytest.mark.sim, pytest.mark.slow]
+
+OUT = "/root/regenerated.jsonl"
+PROMPTS = "/root/prompts.jsonl"  # the container's own /root
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("regenerate-fleet"), nodes=1, containers=(200,))
+    res = f.play("deploy.yml", "-e", "dflash_fleet_start_run=false")
+    assert res.rc == 0, res.messages()
+    yield f
+    f.down()
+
+
+def test_regenerate_writes_the_targets_answers_in_the_container(fleet):
+    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line) for line in lines[:6]]
+    text = "".join(json.dumps(p) + "\n" for p in prompts)
+    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}").returncode == 0
+    res = fleet.play("regenerate_data.yml", "-e", f"dflash_regenerate_prompts={PROMPTS}",
+                     "-e", f"dflash_regenerate_out={OUT}",
+                     "-e", '{"dflash_regenerate_args": ["--max-new-tokens", "8", "--threads", "1"]}')
+    assert res.rc == 0, res.messages()
+    rows = [json.loads(line) for line in fleet.read(200, OUT).splitlines()]
+    assert len(rows) == len(prompts)
+    for row in rows:
+        assert len(row["input_ids"]) == len(row["loss_mask"]) and 0 < sum(row["loss_mask"]) <= 8
+    # Started like a run (its own pidfile and log in the container) and over when the playbook returns.
+    assert '"event": "regenerated"' in fleet.read(200, "/var/log/dflash/regenerate.log")
+    assert not fleet.alive(200, json.loads(fleet.read(200, "/var/lib/dflash/regenerate.pid"))["pid"])
+
+
+def test_a_regeneration_that_cannot_finish_fails_with_its_log(fleet):
+    res = fleet.play("regenerate_data.yml", "-e", "dflash_regenerate_prompts=/srv/missing-prompts.jsonl",
+                     "-e", f"dflash_regenerate_out={OUT}.bad")
+    assert res.rc != 0
+    assert "ended without writing" in res.messages() and "missing-prompts.jsonl" in res.messages()
