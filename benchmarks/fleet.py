@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks import simbench
 from benchmarks.simbench import CATEGORIES, median
+from pvesim.fleet import REPO
 
 FIRST_VMID = 200
 START = "run start + health (waits, polls, gpu_verify)"
@@ -46,12 +47,12 @@ START = "run start + health (waits, polls, gpu_verify)"
 def configured_forks() -> int:
     """The forks of the project's ansible.cfg (Ansible's own default, 5, when it sets none)."""
     cfg = configparser.ConfigParser()
-    cfg.read(simbench.REPO / "ansible.cfg")
+    cfg.read(REPO / "ansible.cfg")
     return cfg.getint("defaults", "forks", fallback=5)
 
 
 def payload_bytes(rows: list[simbench.TaskRun]) -> dict:
-    """Bytes of the wheel and the release archive (base64) that ride in each container's task arguments."""
+    """Bytes of the release archive (base64) that ride in each container's task arguments."""
     out = {}
     for row in rows:
         for result in row.hosts.values():
@@ -61,11 +62,10 @@ def payload_bytes(rows: list[simbench.TaskRun]) -> dict:
                 continue
             if not isinstance(built, dict):
                 continue
-            # The wheel build prints one object; the batch's pack prints one per host.
-            for found in [built, *(v for v in built.values() if isinstance(v, dict))]:
-                for key in ("wheel_b64", "archive_b64"):
-                    if key in found and os.path.exists(found[key]):
-                        out[key] = os.path.getsize(found[key])
+            # The batch's pack prints one object per host.
+            for found in (v for v in built.values() if isinstance(v, dict)):
+                if "archive_b64" in found and os.path.exists(found["archive_b64"]):
+                    out["archive_b64"] = os.path.getsize(found["archive_b64"])
     return out
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from benchmarks import simbench
 from benchmarks.simbench import CATEGORIES, median
+from pvesim.fleet import REPO
 
 STOP_TASK = "Stop the run (the trainer checkpoints on SIGTERM)."
 LOG = "/var/log/dflash/main.log"
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
         rituals = []
         if not args.no_reference:
             changed = work / "train.py"
-            changed.write_text((simbench.REPO / "dflash" / "train.py").read_text() + "# hand-copied fix\n")
+            changed.write_text((REPO / "dflash" / "train.py").read_text() + "# hand-copied fix\n")
             for i in range(args.ritual_repeats):
                 rituals.append(ritual(fleet, vmid, changed, i))
                 print(f"  hand ritual {i + 1}: {rituals[-1]['wall_s']} s, ssh exit {rituals[-1]['stop_rc']}",

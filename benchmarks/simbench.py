@@ -28,9 +28,9 @@ IN_PROCESS = {
 TRANSFER = {"ansible.builtin.copy", "ansible.builtin.unarchive", "ansible.builtin.template"}
 
 CATEGORIES = (
-    "controller: wheel build, git, pack",
+    "controller: git, pack",
     "node checks (ssh to the node)",
-    "venv: create, .pth, wheel (one module call)",
+    "venv: create, .pth (one module call)",
     "release: unpack, validate, switch (one module call)",
     "file transfer (cat through pct exec)",
     "run stop + GPU idle check",
@@ -84,7 +84,7 @@ def categorize(row: TaskRun) -> str | None:
     if action in IN_PROCESS and action != "ansible.builtin.pause":
         return "in-process (assert, set_fact, include)"
     if "on the controller" in name:
-        return "controller: wheel build, git, pack"
+        return "controller: git, pack"
     if role == "proxmox_host" or (action or "").endswith("pct_container_check"):
         return "node checks (ssh to the node)"
     if role == "dflash_run" and file == "stop.yml":
@@ -94,7 +94,7 @@ def categorize(row: TaskRun) -> str | None:
     if action in TRANSFER:
         return "file transfer (cat through pct exec)"
     if role == "dflash_env" and file in ("venv.yml", "requirements.yml"):
-        return "venv: create, .pth, wheel (one module call)"
+        return "venv: create, .pth (one module call)"
     if role == "dflash_release" and file == "live.yml":
         return "release: unpack, validate, switch (one module call)"
     return "other container round trips"
