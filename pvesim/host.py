@@ -83,8 +83,8 @@ def registered_state_dirs():
 
 
 def install_pct():
-    """Install (or refresh) /usr/sbin/pct from the package."""
-    source = (PACKAGE_BIN / "pct").read_bytes()
+    """Install (or refresh) /usr/sbin/pct: the dispatcher that runs each node's own package's pct."""
+    source = (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct")).encode()
     if not PCT_PATH.exists() or PCT_PATH.read_bytes() != source:
         tmp = PCT_PATH.with_name(".pct.pvesim-tmp")
         tmp.write_bytes(source)
