@@ -149,6 +149,8 @@ CASES = [
          CT200 + extra(dflash_release_settings={"data": {"batch_size": "four"}}),
          words=("data.batch_size: expected int, got 'four'", "Fix dflash_release_settings.data.batch_size"),
          fast=True),
+    Case("A negative restart limit", RESTART, CT200 + ("-e", "dflash_run_max_restarts=-1"),
+         words=("pipeline.max_restarts: must be >= 0", "Fix dflash_run_max_restarts")),
     Case("A missing target model path", RESTART,
          CT200 + ("-e", "dflash_release_target_path=/srv/models/missing"),
          words=("model.target_path: no model at '/srv/models/missing'", "Fix dflash_release_target_path")),

@@ -154,16 +154,24 @@ def test_status_shows_one_table_for_the_fleet(fleet):
     assert res.rc == 0, res
     table = next(iter(res.results("Show the fleet's runs.").values()))["msg"]
     assert table[0].split()[:4] == ["container", "node", "release", "state"]
-    rows = {line.split()[0]: line.split() for line in table[1:]}
+    rows = {line.split()[0]: line.split() for line in table[1:] if not line.startswith(" ")}
     assert set(rows) == set(HOSTS)
     for vmid in (201, 202, 203):
         row = rows[f"ct{vmid}"]
         assert row[1] == ("pve1" if vmid < 202 else "pve2")
         assert row[2] == Path(fleet.live_release(vmid)).name
         assert row[3] == "running" and int(row[4]) == fleet.run_info(vmid)["pid"]
-        assert int(row[5]) >= 1 and "0:" in " ".join(row[8:]) and "1:" in " ".join(row[8:])
-    # CT 200 was stopped and started as a container: its run is gone and the table says so.
-    assert rows["ct200"][3] != "running"
+        assert int(row[5]) >= 1 and "0:" in " ".join(row[10:]) and "1:" in " ".join(row[10:])
+    # CT 200 was stopped and started as a container: its run was killed without a stop, so the table
+    # says it died (not stopped), with its last step and checkpoint, and the end of its log.
+    status = fleet.status(200)
+    assert status["state"] in ("starting", "running", "stopping")  # what the killed run last wrote
+    died = rows["ct200"]
+    assert died[3] == "died" and died[4] == "-" and died[5] == str(status["step"])
+    checkpoint = status["last_checkpoint"]
+    assert died[9] == (str(int(Path(checkpoint).name[5:])) if checkpoint else "-")
+    after = table[table.index(next(line for line in table if line.startswith("ct200"))) + 1:]
+    assert after and after[0].lstrip().startswith("log: {")
 
 
 def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
@@ -208,3 +216,7 @@ def test_stop_training_checkpoints_and_frees_the_gpus(fleet):
     status = fleet.status(202)
     assert status["state"] == "stopped" and status["last_checkpoint"]
     assert res.results("Stop the run (the trainer checkpoints on SIGTERM).")["ct202"]["how"] == "terminated"
+    # A stopped run is shown as stopped (its pidfile is gone), not as one that died.
+    shown = fleet.play("status.yml", "-l", "ct202").results("Show the fleet's runs.")
+    table = next(iter(shown.values()))["msg"]
+    assert table[1].split()[:4] == ["ct202", "pve2", Path(fleet.live_release(202)).name, "stopped"]

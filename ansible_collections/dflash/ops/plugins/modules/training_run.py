@@ -208,8 +208,9 @@ progress:
   returned: after a start with O(wait_for)
   type: str
 log_tail:
-  description: End of O(log_path) when the run died at start or did not match O(wait_for).
-  returned: on start failure
+  description: End of O(log_path) when the run died at start or did not match O(wait_for), or, with
+    V(status), when the pidfile is stale (the run ended without a stop: it finished, failed or died).
+  returned: on start failure; with V(status) and a stale pidfile
   type: str
 """
 
@@ -230,6 +231,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
+    log_tail,
     preflight,
     read_environment_file,
     start_run,
@@ -289,6 +291,8 @@ def apply_state(module, env):
         extra = {"pidfile_unsafe": unsafe} if unsafe else {}
         if verdict == "live":
             return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
+        if verdict not in ("absent", "live"):  # it ended without a stop: finished, failed or died
+            extra["log_tail"] = log_tail(params["log_path"])
         return stopped_result(record, verdict, changed=False, msg=f"stopped ({verdict} pidfile)", **extra)
 
     if unsafe:

@@ -1,0 +1,59 @@
+"""status.yml's table tells a run that was stopped from one that finished, failed or died.
+
+The table is rendered by Ansible's own templar from the reports the dflash_run role's status tasks
+record; the playbook tests show the live cases (running, died after its container restarted,
+stopped), these the rest.
+"""
+
+from pathlib import Path
+
+import pytest
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "playbooks" / "templates" / "status_table.j2"
+LOG = "\n".join(f'{{"event": "step", "step": {i}}}' for i in range(1, 9)) + '\n{"event": "crash"}\n'
+
+
+def render(report):
+    hostvars = {"ct200": {"proxmox_node": "pve1", "dflash_run_report": report}}
+    variables = {"hostvars": hostvars, "ansible_play_hosts_all": ["ct200"]}
+    templar = Templar(loader=DataLoader(), variables=variables)
+    return templar.template(trust_as_template(TEMPLATE.read_text())).splitlines()
+
+
+def report(state, ended, progress, log_tail=""):
+    return {"state": state, "pid": 4242 if state == "running" else None, "ended": ended, "log_tail": log_tail,
+            "release": "r1", "running_release": "r1", "progress": progress, "gpus": [], "gpu_error": ""}
+
+
+@pytest.mark.parametrize(("state", "ended", "written", "shown"), [
+    ("running", False, "running", "running"),
+    ("stopped", False, "stopped", "stopped"),    # a stop removed the pidfile
+    ("stopped", True, "stopped", "finished"),    # it ended by itself, cleanly
+    ("stopped", True, "failed", "failed"),       # torchrun or the trainer gave up
+    ("stopped", True, "running", "died"),        # killed mid-run: nobody wrote an end
+    ("stopped", True, "starting", "died"),
+])
+def test_the_state_column(state, ended, written, shown):
+    progress = {"state": written, "step": 8, "loss": 1.5,
+                "last_checkpoint": "/runs/main/checkpoints/step-00000005"}
+    if written == "failed":
+        progress["error"] = "worker drafter0 exited with -9 (after 3 restart(s) of 3 allowed)"
+    lines = render(report(state, ended, progress, LOG if ended else ""))
+    row = lines[1].split()
+    assert row[:4] == ["ct200", "pve1", "r1", shown]
+    assert (row[5], row[9]) == ("8", "5")  # the last step and the last checkpoint's step
+    extra = [line.strip() for line in lines[2:]]
+    if shown in ("failed", "died"):  # the end of the log, and the error when status.json has one
+        assert extra[-5:] == [f"log: {line}" for line in LOG.strip().splitlines()[-5:]]
+        assert ("error: worker drafter0 exited with -9" in " ".join(extra)) == (shown == "failed")
+    else:
+        assert extra == []
+
+
+def test_a_run_without_a_checkpoint_or_a_report():
+    lines = render(report("stopped", True, {"state": "running", "step": 0}))
+    assert lines[1].split()[3] == "died" and lines[1].split()[9] == "-"
+    hostvars_without_report = render({})
+    assert hostvars_without_report[1].split()[3] == "unreachable"
