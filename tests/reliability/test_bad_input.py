@@ -168,10 +168,12 @@ CASES = [
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     f = InputFleet(tmp_path_factory.mktemp("bad-input"), nodes=1, containers=CONTAINERS)
-    res = f.play("deploy.yml", "-e", "dflash_fleet_serial=2")
-    assert res.rc == 0, str(res)
-    yield f
-    f.down()
+    try:  # a deploy that fails takes the sim down too
+        res = f.play("deploy.yml", "-e", "dflash_fleet_serial=2")
+        assert res.rc == 0, str(res)
+        yield f
+    finally:
+        f.down()
 
 
 def as_param(case):
