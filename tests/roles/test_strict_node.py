@@ -32,21 +32,23 @@ def fleet(tmp_path_factory):
 
 
 def play(fleet, playbook, *args):
-    """Run a playbook and check that every login to the node during it was the node user's."""
+    """Run a playbook; returns its result and the users that logged in to the node meanwhile (none when
+    Ansible reused its ssh connection of an earlier play)."""
     log = node.NodeFiles(fleet.sim.state_dir, "pve1").log
     before = log.stat().st_size
     res = fleet.play(playbook, *args)
     with open(log) as f:
         f.seek(before)
-        logins = LOGIN.findall(f.read())
-    assert logins and set(logins) == {USER}, logins
-    return res
+        logins = set(LOGIN.findall(f.read()))
+    assert logins <= {USER}, logins
+    return res, logins
 
 
 def test_deploy_as_the_node_user_through_sudo(fleet):
     assert fleet.sim.ssh("pve1", "/usr/sbin/pct list", user=USER).stderr == "please run as root\n"
-    res = play(fleet, "deploy.yml", "-l", "ct200")
+    res, logins = play(fleet, "deploy.yml", "-l", "ct200")
     assert res.rc == 0, res
+    assert logins == {USER}
     check = res.results("Check the container on its Proxmox node.")["ct200"]
     assert check["msg"].startswith("CT 200 on node pve1: running") and check["gpu_count"] == 4, check
     # The busy wait saw the run: on this driver, with its pid in the container.
@@ -59,7 +61,7 @@ def test_deploy_as_the_node_user_through_sudo(fleet):
 def test_a_container_given_the_same_gpus_fails_at_once_naming_them_and_the_holder(fleet):
     run = fleet.run_info(200)
     gpus = re.findall(r"\(UUID: (GPU-[0-9a-f-]+)\)", fleet.sim.ssh("pve1", "nvidia-smi -L").stdout)
-    res = play(fleet, "deploy.yml", "-l", "ct201")
+    res, _ = play(fleet, "deploy.yml", "-l", "ct201")
     assert res.rc != 0
     messages = res.messages()
     assert "ct201 (CT 201 on pve1) failed at \"Check the container on its Proxmox node.\"" in messages
@@ -73,3 +75,40 @@ def test_a_container_given_the_same_gpus_fails_at_once_naming_them_and_the_holde
     # CT 200's run is untouched; CT 201 got nothing.
     assert fleet.run_info(200) == run and fleet.alive(200, run["pid"])
     assert fleet.run_info(201) is None and fleet.live_release(201) == ""
+
+
+def test_restart_waits_for_the_gpus_to_be_idle_and_sees_what_still_holds_them(fleet):
+    old = fleet.run_info(200)
+    # A process of CT 200 outside the run holds GPU 1: the idle wait after the stop must see it.
+    started = fleet.ct(200, "CUDA_VISIBLE_DEVICES=1 exec sleep 300 >/dev/null 2>&1 & echo $!")
+    holder = int(started.stdout)
+    try:
+        res, _ = play(fleet, "restart_training.yml", "-l", "ct200", "-e", "dflash_run_gpu_timeout=4")
+        assert res.rc != 0
+        idle = res.results("Wait until the run's GPUs are idle.")["ct200"]
+        assert idle.get("failed") and [p["pid"] for p in idle["processes"]] == [holder], idle
+        assert str(holder) in res.messages()
+        assert not fleet.alive(200, old["pid"]) and fleet.run_info(200) is None
+    finally:
+        fleet.ct(200, f"kill {holder}")
+    res, _ = play(fleet, "restart_training.yml", "-l", "ct200")
+    assert res.rc == 0, res
+    new = fleet.run_info(200)
+    assert new["pid"] != old["pid"] and fleet.alive(200, new["pid"])
+    assert res.results("Wait until the run's GPUs are idle.")["ct200"]["processes"] == []
+    busy = res.results("Wait until the run's GPUs are busy.")["ct200"]
+    assert {p["pid"] for p in busy["processes"]} == {new["pid"]}
+
+
+def test_status_and_stop_as_the_node_user(fleet):
+    run = fleet.run_info(200)
+    res, _ = play(fleet, "status.yml")
+    assert res.rc == 0, res
+    table = next(iter(res.results("Show the fleet's runs.").values()))["msg"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert rows["ct200"][3] == "running" and int(rows["ct200"][4]) == run["pid"], table
+    assert rows["ct201"][3] != "running", table
+    res, _ = play(fleet, "stop_training.yml", "-l", "ct200")
+    assert res.rc == 0, res
+    assert not fleet.alive(200, run["pid"]) and fleet.status(200)["state"] == "stopped"
+    assert res.results("Wait until the run's GPUs are idle.")["ct200"]["processes"] == []
