@@ -77,38 +77,39 @@ def test_a_container_given_the_same_gpus_fails_at_once_naming_them_and_the_holde
     assert fleet.run_info(201) is None and fleet.live_release(201) == ""
 
 
-def test_restart_waits_for_the_gpus_to_be_idle_and_sees_what_still_holds_them(fleet):
+def test_restart_as_the_node_user(fleet):
     old = fleet.run_info(200)
-    # A process of CT 200 outside the run holds GPU 1: the idle wait after the stop must see it.
-    started = fleet.ct(200, "CUDA_VISIBLE_DEVICES=1 exec sleep 300 >/dev/null 2>&1 & echo $!")
-    holder = int(started.stdout)
-    try:
-        res, _ = play(fleet, "restart_training.yml", "-l", "ct200", "-e", "dflash_run_gpu_timeout=4")
-        assert res.rc != 0
-        idle = res.results("Wait until the run's GPUs are idle.")["ct200"]
-        assert idle.get("failed") and [p["pid"] for p in idle["processes"]] == [holder], idle
-        assert str(holder) in res.messages()
-        assert not fleet.alive(200, old["pid"]) and fleet.run_info(200) is None
-    finally:
-        fleet.ct(200, f"kill {holder}")
     res, _ = play(fleet, "restart_training.yml", "-l", "ct200")
     assert res.rc == 0, res
     new = fleet.run_info(200)
-    assert new["pid"] != old["pid"] and fleet.alive(200, new["pid"])
+    assert new["pid"] != old["pid"] and fleet.alive(200, new["pid"]) and not fleet.alive(200, old["pid"])
+    # Between the stop and the start the GPUs were idle, and the new run holds them (its own pid listed).
     assert res.results("Wait until the run's GPUs are idle.")["ct200"]["processes"] == []
     busy = res.results("Wait until the run's GPUs are busy.")["ct200"]
     assert {p["pid"] for p in busy["processes"]} == {new["pid"]}
 
 
-def test_status_and_stop_as_the_node_user(fleet):
+def test_status_as_the_node_user(fleet):
     run = fleet.run_info(200)
     res, _ = play(fleet, "status.yml")
     assert res.rc == 0, res
     table = next(iter(res.results("Show the fleet's runs.").values()))["msg"]
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert rows["ct200"][3] == "running" and int(rows["ct200"][4]) == run["pid"], table
-    assert rows["ct201"][3] != "running", table
-    res, _ = play(fleet, "stop_training.yml", "-l", "ct200")
-    assert res.rc == 0, res
+    assert rows["ct201"][2:4] == ["-", "stopped"], table
+
+
+def test_stop_as_the_node_user_and_the_idle_wait_sees_what_still_holds_a_gpu(fleet):
+    run = fleet.run_info(200)
+    # A process of CT 200 outside the run holds GPU 1: the idle wait after the stop must see it.
+    holder = int(fleet.ct(200, "CUDA_VISIBLE_DEVICES=1 exec sleep 300 >/dev/null 2>&1 & echo $!").stdout)
+    try:
+        res, _ = play(fleet, "stop_training.yml", "-l", "ct200", "-e", "dflash_run_gpu_timeout=4")
+    finally:
+        fleet.ct(200, f"kill {holder}")
+    assert res.results("Stop the run (the trainer checkpoints on SIGTERM).")["ct200"]["how"] == "terminated"
     assert not fleet.alive(200, run["pid"]) and fleet.status(200)["state"] == "stopped"
-    assert res.results("Wait until the run's GPUs are idle.")["ct200"]["processes"] == []
+    assert res.rc != 0
+    idle = res.results("Wait until the run's GPUs are idle.")["ct200"]
+    assert idle.get("failed") and [p["pid"] for p in idle["processes"]] == [holder], idle
+    assert str(holder) in res.messages()
