@@ -63,6 +63,10 @@ class Sim:
         return self.state_dir / "id_ed25519"
 
     @property
+    def authorized_keys(self):
+        return self.state_dir / "authorized_keys"
+
+    @property
     def known_hosts(self):
         return self.state_dir / "known_hosts"
 
@@ -289,6 +293,7 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                 # in case something removed them.
                 host.install_pct()
                 host.register(state_dir, current.to_json())
+                _install_node_user(current)
                 _ensure_running(current)
                 if not current.inventory_path.exists():
                     write_inventory(current)
@@ -315,11 +320,8 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, nod
     sim.save()
     host.install_pct()
     client_key = node.keygen(sim.private_key, "pvesim")
-    authorized_keys = state_dir / "authorized_keys"
+    authorized_keys = sim.authorized_keys
     authorized_keys.write_text(" ".join(client_key) + " pvesim\n")
-    if node_user:
-        host.ensure_node_user(node_user)
-        host.authorize_node_user(state_dir, node_user, " ".join(client_key) + " pvesim")
     for n in sim.nodes:
         files = _node_files(sim, n.name)
         gpus_of_node = container.node_gpus(tag, n.name, gpus)
@@ -330,13 +332,21 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, nod
         sim.save()
         for vmid in n.containers:
             container.write_container(files, tag, vmid, layout[vmid])
-    if node_user:
-        host.install_sudo_rules(state_dir, node_user, [_node_files(sim, n.name).bin / "nvidia-smi"
-                                                       for n in sim.nodes])
+    _install_node_user(sim)
     sim.trust_host_keys()
     _ensure_running(sim)
     write_inventory(sim)
     return sim
+
+
+def _install_node_user(sim):
+    """The sim's node user (made if missing), the sim's key in its authorized_keys, its sudo rules."""
+    if not sim.node_user:
+        return
+    host.ensure_node_user(sim.node_user)
+    host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
+    host.install_sudo_rules(sim.state_dir, sim.node_user,
+                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes])
 
 
 def _ensure_running(sim):

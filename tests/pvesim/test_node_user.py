@@ -58,6 +58,11 @@ def test_the_node_user_runs_pct_through_sudo_and_nothing_else_as_root(sim_factor
     assert re.search(rf"^{USER} ALL = \(root\) NOPASSWD: /usr/sbin/pct$", rules, re.M)
     assert 'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"' in rules
     authorized = pwd.getpwnam(USER).pw_dir + "/.ssh/authorized_keys"
+    # `up` again with the same layout keeps the sim (and its user); the user is part of the layout.
+    same = dict(nodes=1, containers=(370,), gpus=2, state_dir=s.state_dir, inventory=s.inventory_path)
+    assert pvesim.up(**same, node_user=USER).nodes == s.nodes
+    with pytest.raises(pvesim.SimError, match="another layout"):
+        pvesim.up(**same)
 
     pvesim.down(s.state_dir)
     assert not (host.SUDOERS_DIR / f"pvesim-{s.tag}").exists()
