@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from . import container, host, node
-from .sim import DEFAULT_INVENTORY, DEFAULT_STATE_DIR, SimError, down, down_all, load, up
+from .sim import COMPUTE_APPS, DEFAULT_INVENTORY, DEFAULT_STATE_DIR, SimError, down, down_all, load, up
 
 
 def container_ids(text):
@@ -30,6 +30,11 @@ def parser():
                       help=f"where this sim keeps its state (default {DEFAULT_STATE_DIR})")
     p_up.add_argument("--inventory", type=Path, default=DEFAULT_INVENTORY,
                       help="the Ansible inventory to write (default inventory/sim/hosts.yml)")
+    p_up.add_argument("--compute-apps", choices=COMPUTE_APPS, default="host",
+                      help="the nodes' driver: 'host' lists every process with host PIDs in a container, "
+                           "'container' only the container's own (default host)")
+    p_up.add_argument("--node-user", help="log in to the nodes as this user (made if missing), with the sudo "
+                                          "rule for /usr/sbin/pct, instead of root")
     p_down = sub.add_parser("down", help="stop and remove everything a sim started (also after a crash)")
     which = p_down.add_mutually_exclusive_group()
     which.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
@@ -68,7 +73,7 @@ def main(argv=None):
     try:
         if args.command == "up":
             sim = up(nodes=args.nodes, containers=args.containers, gpus=args.gpus, state_dir=args.state_dir,
-                     inventory=args.inventory)
+                     inventory=args.inventory, compute_apps=args.compute_apps, node_user=args.node_user)
             return print_status([sim.state_dir])
         if args.command == "down":
             down_all() if args.all else down(args.state_dir)

@@ -250,12 +250,13 @@ def local_inventory(directory):
 class Fleet:
     """A pvesim with the sim inventory's group_vars next to its hosts.yml, and helpers to look inside."""
 
-    def __init__(self, base, nodes, containers, gpus=8):
+    def __init__(self, base, nodes, containers, gpus=8, **layout):
+        """`layout`: pvesim.up's gpu_passthrough, compute_apps and node_user."""
         self.base = base
         (base / "inventory").mkdir(parents=True, exist_ok=True)
         (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)
         self.sim = up(nodes=nodes, containers=containers, gpus=gpus, state_dir=base / "state",
-                      inventory=base / "inventory" / "hosts.yml")
+                      inventory=base / "inventory" / "hosts.yml", **layout)
         self.src = snapshot_source(base / "src")
         self.assets = prepare_assets()
 

@@ -1,9 +1,12 @@
-"""What several sims share on the machine: /usr/sbin/pct, the system known_hosts, a registry, a lock.
+"""What several sims share on the machine: /usr/sbin/pct, the system known_hosts, a registry, a lock,
+and the node user of a sim that has one (a machine user, its sudo rule, its authorized key).
 
 Each sim registers its state dir under /run/pvesim/sims while it is up. Shared files stay installed
 while any registered sim is up, and each sim's host keys sit in a marked block of
 /etc/ssh/ssh_known_hosts (the paramiko-based proxmox_pct_remote connection reads only that file and
-~/.ssh/known_hosts) that its `down` removes.
+~/.ssh/known_hosts) that its `down` removes. A node user is made once (marked as pvesim's in its
+GECOS field) and removed when no registered sim names it; each sim has its own sudoers.d file and
+its own marked block of the user's authorized_keys.
 """
 
 import contextlib
@@ -11,8 +14,11 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
+import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,6 +29,14 @@ RUN_DIR = Path("/run/pvesim")
 REGISTRY = RUN_DIR / "sims"
 LOCK_FILE = RUN_DIR / "lock"
 PCT_MARKER = "pct for pvesim"
+# Where each node's tools (its nvidia-smi) live: a node user must be able to run them, and a sim's state
+# dir may sit under a directory only root can enter (pytest's /tmp/pytest-of-root).
+NODE_TOOLS = RUN_DIR / "nodes"
+SUDOERS_DIR = Path("/etc/sudoers.d")
+# The production sudo rule a non-root node user needs (pct, and nothing else).
+PRODUCTION_SUDO_RULE = PACKAGE_BIN.parents[1] / "inventory/production.example/sudoers.d/ansible_pct"
+NODE_USER_MARKER = "pvesim node user"
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 
 class SimError(RuntimeError):
@@ -93,7 +107,9 @@ def install_pct():
 
 
 def remove_shared_files_if_unused():
-    """Remove /usr/sbin/pct once no sim is registered (and only if it is ours, not a real Proxmox pct)."""
+    """Remove the node users no registered sim names, and /usr/sbin/pct once no sim is registered (and
+    only if it is ours, not a real Proxmox pct)."""
+    remove_node_users_if_unused()
     if registered_state_dirs():
         return
     if PCT_PATH.is_file() and PCT_MARKER in PCT_PATH.read_text(errors="replace"):
@@ -118,34 +134,137 @@ def _without_block(text, state_dir):
     return "".join(out)
 
 
-def set_system_known_hosts(state_dir, lines):
-    """Put this sim's host keys in its own marked block of /etc/ssh/ssh_known_hosts."""
-    text = SYSTEM_KNOWN_HOSTS.read_text() if SYSTEM_KNOWN_HOSTS.exists() else ""
-    text = _without_block(text, state_dir)
-    # A line for one of our [address]:port elsewhere is stale (a sim that died without `down`): this
-    # sim holds that port now, and paramiko would take the first key it finds for it.
-    ours = {line.split()[0] for line in lines}
-    text = "".join(line for line in text.splitlines(keepends=True) if not line.split()[:1] or
-                   line.split()[0] not in ours)
+def set_block(path, state_dir, lines, mode=0o644, owner=None, keep=lambda line: True):
+    """Put `lines` in this sim's own marked block of the file at `path` (others' blocks stay, and the
+    lines outside any block for which `keep` is true)."""
+    text = _without_block(path.read_text() if path.exists() else "", state_dir)
+    text = "".join(line for line in text.splitlines(keepends=True) if keep(line))
     if text and not text.endswith("\n"):
         text += "\n"
     begin, end = _block_markers(state_dir)
-    _write_atomic(SYSTEM_KNOWN_HOSTS, text + begin + "".join(f"{line}\n" for line in lines) + end)
+    _write_atomic(path, text + begin + "".join(f"{line}\n" for line in lines) + end, mode, owner)
+
+
+def remove_block(path, state_dir):
+    if path.exists():
+        text = path.read_text()
+        stripped = _without_block(text, state_dir)
+        if stripped != text:
+            st = path.stat()
+            _write_atomic(path, stripped, st.st_mode & 0o777, (st.st_uid, st.st_gid))
+
+
+def set_system_known_hosts(state_dir, lines):
+    """Put this sim's host keys in its own marked block of /etc/ssh/ssh_known_hosts."""
+    # A line for one of our [address]:port elsewhere is stale (a sim that died without `down`): this
+    # sim holds that port now, and paramiko would take the first key it finds for it.
+    ours = {line.split()[0] for line in lines}
+    set_block(SYSTEM_KNOWN_HOSTS, state_dir, lines,
+              keep=lambda line: not line.split()[:1] or line.split()[0] not in ours)
 
 
 def remove_system_known_hosts(state_dir):
-    if SYSTEM_KNOWN_HOSTS.exists():
-        text = SYSTEM_KNOWN_HOSTS.read_text()
-        stripped = _without_block(text, state_dir)
-        if stripped != text:
-            _write_atomic(SYSTEM_KNOWN_HOSTS, stripped)
+    remove_block(SYSTEM_KNOWN_HOSTS, state_dir)
 
 
-def _write_atomic(path, text):
+def _write_atomic(path, text, mode=0o644, owner=None):
     tmp = path.with_name(f".{path.name}.pvesim-tmp")
     tmp.write_text(text)
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, mode)
+    if owner:
+        os.chown(tmp, *owner)
     tmp.replace(path)
+
+
+def node_tools_dir(state_dir):
+    """The directory of one sim's node tools (world-readable, removed on `down`)."""
+    return NODE_TOOLS / sim_tag(state_dir)
+
+
+def ensure_node_user(user):
+    """The machine user a sim's node sessions log in as: made if missing (a system user with a home,
+    /bin/sh, and '*' for a password: no password login, and not locked, which sshd without PAM would
+    refuse); an existing user is used as it is. Returns its pwd entry."""
+    if not USER_NAME.match(user or "") or user == "root":
+        raise SimError(f"node_user must be a user name other than root, got {user!r}")
+    try:
+        return pwd.getpwnam(user)
+    except KeyError:
+        pass
+    res = subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/home/{user}", "--shell",
+                          "/bin/sh", "--comment", NODE_USER_MARKER, "--password", "*", user],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise SimError(f"useradd {user} failed: {res.stderr.strip()}")
+    return pwd.getpwnam(user)
+
+
+def authorize_node_user(state_dir, user, key_line):
+    """The sim's client key in its block of the user's ~/.ssh/authorized_keys."""
+    entry = pwd.getpwnam(user)
+    ssh_dir = Path(entry.pw_dir) / ".ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chown(ssh_dir, entry.pw_uid, entry.pw_gid)
+    set_block(ssh_dir / "authorized_keys", state_dir, [key_line], 0o600, (entry.pw_uid, entry.pw_gid))
+
+
+def unauthorize_node_user(state_dir, user):
+    try:
+        home = Path(pwd.getpwnam(user).pw_dir)
+    except KeyError:
+        return
+    remove_block(home / ".ssh" / "authorized_keys", state_dir)
+
+
+def sudo_rules(state_dir, user, node_tools):
+    """This sim's sudoers.d file: production's rule for the user, plus pvesim's two additions."""
+    production = [line.strip() for line in PRODUCTION_SUDO_RULE.read_text().splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")]
+    rules = [re.sub(r"^\S+", user, line) for line in production]
+    return "".join(f"{line}\n" for line in [
+        f"# Written by pvesim for the sim in {state_dir}; `pvesim down` removes it.",
+        f"# The rule of {PRODUCTION_SUDO_RULE.relative_to(PACKAGE_BIN.parents[1])}, for {user}:",
+        *rules,
+        "# pvesim's addition: /usr/sbin/pct finds its node through the session's PVESIM_STATE_DIR and",
+        "# PVESIM_NODE (set by the node's sshd), which sudo's env_reset would drop.",
+        'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"',
+        "# The simulated driver: each node's nvidia-smi reads the processes' environments (root's) as the",
+        "# kernel driver would, so it reruns itself as root for a user other than root.",
+        f"{user} ALL = (root) NOPASSWD: {', '.join(str(tool) for tool in node_tools)}",
+    ])
+
+
+def install_sudo_rules(state_dir, user, node_tools):
+    """Install this sim's sudoers.d file, checked with visudo first (a broken file breaks sudo)."""
+    if not shutil.which("visudo") or not shutil.which("sudo"):
+        raise SimError("a node user needs sudo (apt-get install sudo; `make setup` installs it)")
+    path = SUDOERS_DIR / f"pvesim-{sim_tag(state_dir)}"
+    tmp = SUDOERS_DIR / f".{path.name}.tmp"  # sudo skips names with a dot
+    tmp.write_text(sudo_rules(state_dir, user, node_tools))
+    tmp.chmod(0o440)
+    res = subprocess.run(["visudo", "-cf", str(tmp)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        tmp.unlink()
+        raise SimError(f"the sudo rules for {user} do not parse: {res.stdout.strip()} {res.stderr.strip()}")
+    tmp.replace(path)
+
+
+def remove_sudo_rules(state_dir):
+    (SUDOERS_DIR / f"pvesim-{sim_tag(state_dir)}").unlink(missing_ok=True)
+
+
+def remove_node_users_if_unused():
+    """Remove the users pvesim made (its marker in GECOS) that no registered sim names."""
+    wanted = set()
+    for entry in REGISTRY.glob("[0-9a-f]*") if REGISTRY.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            wanted.add(json.loads(entry.read_text()).get("node_user"))
+    for user in pwd.getpwall():
+        if user.pw_gecos == NODE_USER_MARKER and user.pw_name not in wanted:
+            # Fails while a process of the user lives (a session not yet gone): the next `down` retries.
+            subprocess.run(["userdel", "--remove", user.pw_name], capture_output=True,
+                           stdin=subprocess.DEVNULL)
 
 
 def _cgroup_tops(tag):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from . import procs
-from .host import PACKAGE_BIN, SimError
+from .host import PACKAGE_BIN, SimError, node_tools_dir
 
 SSHD = "/usr/sbin/sshd"
 NODE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -47,7 +47,8 @@ class NodeFiles:
         self.root = self.state_dir / "nodes" / name
         self.lxcpath = self.root / "lxc"
         self.pve_confdir = self.root / "pve" / "lxc"
-        self.bin = self.root / "bin"
+        # The node's own tools (nvidia-smi) first on its sessions' PATH, where any node user can run them.
+        self.bin = node_tools_dir(self.state_dir.resolve()) / name / "bin"
         self.host_key = self.root / "ssh_host_ed25519_key"
         self.host_key_pub = self.root / "ssh_host_ed25519_key.pub"
         # Paths that do not exist for the node's sessions, one a line (Sim.hide_on_node).
@@ -83,10 +84,16 @@ class NodeFiles:
 TEMPLATE = "debian-12-standard_12.7-1_amd64.tar.zst"
 
 
-def write_node(files, address, port, authorized_keys, gpu_state_json):
-    """Create the node's directories, host key, sshd_config, node-side nvidia-smi and GPU state."""
+def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=None):
+    """Create the node's directories, host key, sshd_config, node-side nvidia-smi and GPU state. A
+    `node_user` logs in with the key of its own ~/.ssh/authorized_keys, as on a real node."""
     for d in (files.lxcpath, files.pve_confdir, files.bin, files.gpu_dir, files.template_cache):
         d.mkdir(parents=True, exist_ok=True)
+    for d in (files.bin, *files.bin.parents):
+        if d == files.bin.parents[3]:  # /run/pvesim and above are not ours to change
+            break
+        d.chmod(0o755)
+    user_keys = f"Match User {node_user}\n    AuthorizedKeysFile .ssh/authorized_keys\n" if node_user else ""
     host_key = keygen(files.host_key, f"root@{files.name}")
     setenv = " ".join(f"{k}={v}" for k, v in files.session_env().items())
     files.sshd_config.write_text(f"""\
@@ -111,11 +118,12 @@ MaxSessions 100
 SetEnv {setenv}
 Subsystem sftp internal-sftp
 LogLevel INFO
-""")
+{user_keys}""")
     shutil.copyfile(PACKAGE_BIN / "nvidia-smi", files.bin / "nvidia-smi")
     (files.bin / "nvidia-smi").chmod(0o755)
     files.gpu_state.write_text(gpu_state_json)
-    files.gpu_config.write_text(json.dumps({"state": str(files.gpu_state), "proc": "/proc"}))
+    # A user other than root runs the node's nvidia-smi through sudo (the sim's driver reads root's /proc).
+    files.gpu_config.write_text(json.dumps({"state": str(files.gpu_state), "proc": "/proc", "as_root": True}))
     (files.template_cache / TEMPLATE).touch()
     files.provision.write_text(json.dumps({"python": sys.executable, "path": str(PACKAGE_BIN.parents[1])}))
     return host_key

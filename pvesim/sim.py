@@ -55,10 +55,16 @@ class Sim:
     # {vmid: node GPU indices passed through}, and {node name: compute-apps behaviour}.
     passthrough: dict = field(default_factory=dict)
     compute_apps: dict = field(default_factory=dict)
+    # The user Ansible logs in to the nodes as (None: root), with the sudo rule for pct.
+    node_user: str | None = None
 
     @property
     def private_key(self):
         return self.state_dir / "id_ed25519"
+
+    @property
+    def authorized_keys(self):
+        return self.state_dir / "authorized_keys"
 
     @property
     def known_hosts(self):
@@ -80,18 +86,18 @@ class Sim:
                 return n
         raise SimError(f"no container {vmid} in the sim at {self.state_dir}")
 
-    def ssh_argv(self, node_name):
-        """The ssh command line reaching a node as root, host key checking on."""
+    def ssh_argv(self, node_name, user="root"):
+        """The ssh command line reaching a node as `user` (root, or the node user), host key checking on."""
         n = self.node(node_name)
         return ["ssh", "-i", str(self.private_key), "-p", str(n.port),
                 "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
-                "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", f"root@{n.address}"]
+                "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", f"{user}@{n.address}"]
 
-    def ssh(self, node_name, command, timeout=60, **kw):
+    def ssh(self, node_name, command, timeout=60, user="root", **kw):
         """Run a shell command on a node over real ssh; returns the CompletedProcess (text, captured)."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
-        return subprocess.run([*self.ssh_argv(node_name), command], timeout=timeout,
+        return subprocess.run([*self.ssh_argv(node_name, user), command], timeout=timeout,
                               stdin=kw.pop("stdin", subprocess.DEVNULL), **kw)
 
     def stop_node(self, name):
@@ -182,7 +188,7 @@ def _from_record(data):
     return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
-               compute_apps=data.get("compute_apps", {}))
+               compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"))
 
 
 def split_containers(containers, nodes):
@@ -258,17 +264,21 @@ def _healthy(sim):
 
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
-       gpu_passthrough=None, compute_apps="host"):
+       gpu_passthrough=None, compute_apps="host", node_user=None):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
     `gpu_passthrough` ({vmid: [node GPU index, ...]}) passes others through (two containers may share a
     GPU). `compute_apps` ("host" or "container", or {node name: either}) is the node's driver's
-    compute-apps behaviour."""
+    compute-apps behaviour. `node_user` (a user name other than root) makes Ansible log in to the nodes as
+    that user, a machine user pvesim makes, with production's sudo rule for /usr/sbin/pct
+    (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules)."""
     containers = list(containers)
     state_dir = Path(state_dir).resolve()
     inventory = Path(inventory).resolve()
     _validate(nodes, containers, gpus, state_dir)
+    if node_user is not None and (not host.USER_NAME.match(str(node_user)) or node_user == "root"):
+        raise SimError(f"node_user must be a user name other than root, got {node_user!r}")
     layout = gpu_layout(split_containers(containers, nodes), gpus, gpu_passthrough)
     modes = compute_apps_by_node([f"pve{i + 1}" for i in range(nodes)], compute_apps)
     with host.machine_lock():
@@ -276,12 +286,14 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             current = load(state_dir)
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
                     and current.gpus == gpus and current.inventory_path == inventory
-                    and current.passthrough == layout and current.compute_apps == modes)
+                    and current.passthrough == layout and current.compute_apps == modes
+                    and current.node_user == node_user)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
                 host.install_pct()
                 host.register(state_dir, current.to_json())
+                _install_node_user(current)
                 _ensure_running(current)
                 if not current.inventory_path.exists():
                     write_inventory(current)
@@ -291,39 +303,50 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                                f"`python -m pvesim down --state-dir {state_dir}` first")
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
-            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes)
+            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
-def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes):
+def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
-              compute_apps=modes,
+              compute_apps=modes, node_user=node_user,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
     sim.save()
     host.install_pct()
     client_key = node.keygen(sim.private_key, "pvesim")
-    authorized_keys = state_dir / "authorized_keys"
+    authorized_keys = sim.authorized_keys
     authorized_keys.write_text(" ".join(client_key) + " pvesim\n")
     for n in sim.nodes:
         files = _node_files(sim, n.name)
         gpus_of_node = container.node_gpus(tag, n.name, gpus)
         n.port = node.free_port(n.address)
         node.write_node(files, n.address, n.port, authorized_keys,
-                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name]))
+                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name]), node_user)
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
         for vmid in n.containers:
             container.write_container(files, tag, vmid, layout[vmid])
+    _install_node_user(sim)
     sim.trust_host_keys()
     _ensure_running(sim)
     write_inventory(sim)
     return sim
+
+
+def _install_node_user(sim):
+    """The sim's node user (made if missing), the sim's key in its authorized_keys, its sudo rules."""
+    if not sim.node_user:
+        return
+    host.ensure_node_user(sim.node_user)
+    host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
+    host.install_sudo_rules(sim.state_dir, sim.node_user,
+                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes])
 
 
 def _ensure_running(sim):
@@ -342,16 +365,19 @@ def _ensure_running(sim):
 def inventory_data(sim):
     ssh_args = f"-o UserKnownHostsFile={sim.known_hosts} -o StrictHostKeyChecking=yes"
     node_hosts, container_hosts = {}, {}
+    # A node user runs pct through sudo: the node checks because proxmox_host_pct_sudo follows the node's
+    # ansible_user, the containers' connection because its remote user is not root (production.example).
+    user = sim.node_user or "root"
     for n in sim.nodes:
         node_hosts[n.name] = {
-            "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
+            "ansible_host": n.address, "ansible_port": n.port, "ansible_user": user,
             "ansible_ssh_private_key_file": str(sim.private_key), "ansible_ssh_common_args": ssh_args,
             "ansible_python_interpreter": NODE_PYTHON,
         }
         for vmid in n.containers:
             container_hosts[f"ct{vmid}"] = {
                 "ansible_connection": CONNECTION,
-                "ansible_host": n.address, "ansible_port": n.port, "ansible_user": "root",
+                "ansible_host": n.address, "ansible_port": n.port, "ansible_user": user,
                 "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
                 "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
                 # A container's root is an overlay over the controller's /: the site-packages of the
@@ -405,6 +431,10 @@ def _down_locked(state_dir):
         nodes_dir.rmdir()
     host.remove_cgroups(host.sim_tag(state_dir))
     host.remove_system_known_hosts(state_dir)
+    shutil.rmtree(host.node_tools_dir(state_dir), ignore_errors=True)
+    host.remove_sudo_rules(state_dir)
+    if sim and sim.node_user:
+        host.unauthorize_node_user(state_dir, sim.node_user)
     inventory = sim.inventory_path if sim else None
     if inventory and inventory.is_file() and \
             inventory.read_text().startswith(INVENTORY_HEADER.format(state_dir=state_dir)):

@@ -7,6 +7,7 @@ import pytest
 from simtools import host_pid, in_ct, wait_for
 
 from pvesim import container, node
+from pvesim.sim import gpu_layout, split_containers
 
 pytestmark = pytest.mark.sim
 
@@ -114,3 +115,18 @@ def test_a_gpu_two_containers_share_is_one_device(sim_factory, compute_apps):
         assert shared.ssh("pve1", " ".join(APPS)).stdout == f"{pid}, {gpu}, 700\n"  # the node: host PIDs
     finally:
         shared.ssh("pve1", in_ct(310, "kill", str(ct_pid)))
+
+
+def test_the_default_layout_never_gives_two_containers_one_gpu():
+    """Without gpu_passthrough every container's GPUs are its own: the session sim, the fleets of the
+    tests and the benchmarks (any node and container count) share no GPU unless a test says so."""
+    for nodes in (1, 2, 3):
+        for count in range(1, 11):
+            blocks = split_containers(list(range(200, 200 + count)), nodes)
+            for gpus in (0, 1, 2, 8, 16):
+                layout = gpu_layout(blocks, gpus)
+                for block in blocks:
+                    given = [i for vmid in block for i in layout[vmid]]
+                    assert len(given) == len(set(given)) and set(given) <= set(range(gpus)), (blocks, layout)
+    shared = gpu_layout([[200, 201]], 8, {201: [0, 1]})
+    assert shared == {200: [0, 1, 2, 3], 201: [0, 1]}
