@@ -55,6 +55,14 @@ class Sim:
     # {vmid: node GPU indices passed through}, and {node name: compute-apps behaviour}.
     passthrough: dict = field(default_factory=dict)
     compute_apps: dict = field(default_factory=dict)
+    # "isolated" (each container its own network namespace, loopback only) or "loopback" (containers
+    # share the machine's, each with its own 127.x.y.z address: containers on vmbr0 reaching each other).
+    network: str = "isolated"
+
+    def address_of(self, vmid):
+        """The container's own address on the `loopback` network (its net0 ip); None when isolated."""
+        self.node_of(vmid)
+        return container.container_address(self.tag, vmid) if self.network == "loopback" else None
 
     @property
     def private_key(self):
@@ -182,7 +190,7 @@ def _from_record(data):
     return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
-               compute_apps=data.get("compute_apps", {}))
+               compute_apps=data.get("compute_apps", {}), network=data.get("network", "isolated"))
 
 
 def split_containers(containers, nodes):
@@ -258,14 +266,17 @@ def _healthy(sim):
 
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
-       gpu_passthrough=None, compute_apps="host"):
+       gpu_passthrough=None, compute_apps="host", network="isolated"):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
     `gpu_passthrough` ({vmid: [node GPU index, ...]}) passes others through (two containers may share a
     GPU). `compute_apps` ("host" or "container", or {node name: either}) is the node's driver's
-    compute-apps behaviour."""
+    compute-apps behaviour. `network` is "isolated" (a container reaches nothing but itself) or
+    "loopback" (containers reach each other at their own 127.x.y.z addresses, `Sim.address_of`)."""
     containers = list(containers)
+    if network not in container.LXC_NETWORK:
+        raise SimError(f"network must be one of {', '.join(container.LXC_NETWORK)}, got {network!r}")
     state_dir = Path(state_dir).resolve()
     inventory = Path(inventory).resolve()
     _validate(nodes, containers, gpus, state_dir)
@@ -276,7 +287,8 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             current = load(state_dir)
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
                     and current.gpus == gpus and current.inventory_path == inventory
-                    and current.passthrough == layout and current.compute_apps == modes)
+                    and current.passthrough == layout and current.compute_apps == modes
+                    and current.network == network)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -291,17 +303,17 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                                f"`python -m pvesim down --state-dir {state_dir}` first")
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
-            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes)
+            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, network)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
-def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes):
+def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, network):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
-              compute_apps=modes,
+              compute_apps=modes, network=network,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -319,7 +331,7 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes):
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
         for vmid in n.containers:
-            container.write_container(files, tag, vmid, layout[vmid])
+            container.write_container(files, tag, vmid, layout[vmid], network)
     sim.trust_host_keys()
     _ensure_running(sim)
     write_inventory(sim)
@@ -358,6 +370,8 @@ def inventory_data(sim):
                 # Python that brought the sim up (the project's venv) are visible inside.
                 "pvesim_site_packages": sysconfig.get_paths()["purelib"],
             }
+            if sim.network == "loopback":
+                container_hosts[f"ct{vmid}"]["pvesim_address"] = sim.address_of(vmid)
     return {"all": {"children": {"proxmox_hosts": {"hosts": node_hosts},
                                  "training_containers": {"hosts": container_hosts}}}}
 
