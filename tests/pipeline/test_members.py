@@ -9,7 +9,7 @@ import pytest
 
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 
-STEPS = 6
+STEPS = 4
 ONE_MEMBER = {"target_workers": 2, "drafter_workers": 2, "threads_per_worker": 1, "queue_depth": 2}
 MEMBER = {"target_workers": 1, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2,
           "members": [{"drafters": 1, "targets": 1}, {"drafters": 1, "targets": 1}]}
@@ -41,7 +41,8 @@ def test_two_members_train_as_one_run_and_resume_from_their_own_checkpoints(writ
     for run in firsts:
         assert run.wait(timeout=240) == 0, run.log_path.read_text()[-3000:]
     # Global ranks member by member: member 0 runs drafter0 and target0, member 1 drafter1 and target1.
-    assert [sorted(run.status()["workers"]) for run in firsts] == [["drafter0", "target0"], ["drafter1", "target1"]]
+    assert [sorted(run.status()["workers"]) for run in firsts] == [
+        ["drafter0", "target0"], ["drafter1", "target1"]]
     # Each member logs the run's steps and keeps its own copy of the checkpoint, with both drafters' RNG.
     assert step_losses(firsts[0]) == step_losses(firsts[1]) == expected[:STEPS // 2]
     for run in firsts:
