@@ -189,13 +189,16 @@ class PipelineConfig(_Section):
     threads_per_worker: int = 1
     max_restarts: int = 3
     # A run across several containers ("members"): every member's worker counts in member order,
-    # [{"drafters": 1, "targets": 1}, ...] (this member's entry must match its own layout above);
+    # [{"host": "ct200", "drafters": 1, "targets": 1}, ...] (this member's entry must match its own
+    # layout above; host, optional, names the member);
     # this member's index; the c10d rendezvous endpoint "host:port" on member 0; this member's
     # own address (torchrun's --local-addr; the rendezvous and the collectives' sockets use it).
     members: list[dict] = field(default_factory=list)
     member: int = 0
     rendezvous: str = ""
     address: str = ""
+    # Seconds a member waits at the rendezvous for the others (a member that never comes fails the rest).
+    rendezvous_timeout: int = 600
     _name = "pipeline"
 
     def __post_init__(self) -> None:
@@ -212,6 +215,7 @@ class PipelineConfig(_Section):
         self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")
         self._require(self.threads_per_worker >= 1, "threads_per_worker", "must be >= 1")
         self._require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        self._require(self.rendezvous_timeout >= 1, "rendezvous_timeout", "must be >= 1")
         if self.is_multi_process:
             self._check_layout()
         if self.members:
@@ -227,8 +231,8 @@ class PipelineConfig(_Section):
                 "needs this member's layout (target and drafter workers or GPUs)")
         for i, entry in enumerate(self.members):
             key = f"members[{i}]"
-            require(set(entry) == {"drafters", "targets"}, key,
-                    f"must have exactly the keys drafters and targets, got {sorted(entry)}")
+            require({"drafters", "targets"} <= set(entry) <= {"host", "drafters", "targets"}, key,
+                    f"must have the keys drafters and targets (and host, its name), got {sorted(entry)}")
             for name in ("drafters", "targets"):
                 value = entry[name]
                 require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
@@ -240,7 +244,7 @@ class PipelineConfig(_Section):
                 f"must be an index into members (0..{len(self.members) - 1}), got {self.member}")
         drafters, targets = self.local_counts
         own = self.members[self.member]
-        require(own == {"drafters": drafters, "targets": targets}, f"members[{self.member}]",
+        require((own["drafters"], own["targets"]) == (drafters, targets), f"members[{self.member}]",
                 f"says {own['drafters']} drafter(s) and {own['targets']} target(s), this member's layout "
                 f"has {drafters} and {targets}")
         host, _, port = self.rendezvous.rpartition(":")

@@ -105,7 +105,8 @@ def rendezvous_arguments(pipeline: PipelineConfig) -> list[str]:
     is_host = "true" if pipeline.member == 0 else "false"
     own = ["--local-addr", pipeline.address] if pipeline.address else []
     return ["--nnodes", str(len(pipeline.members)), "--rdzv-backend", "c10d", "--rdzv-id", "dflash",
-            "--rdzv-endpoint", pipeline.rendezvous, "--rdzv-conf", f"is_host={is_host}", *own]
+            "--rdzv-endpoint", pipeline.rendezvous,
+            "--rdzv-conf", f"is_host={is_host},join_timeout={pipeline.rendezvous_timeout}", *own]
 
 
 def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int) -> list[str]:

@@ -66,7 +66,7 @@ def test_a_run_across_members_numbers_ranks_member_by_member_and_joins_them_at_m
     assert "--standalone" not in command
     assert (flags["--nnodes"], flags["--rdzv-backend"], flags["--rdzv-endpoint"], flags["--local-addr"]) == (
         "2", "c10d", "10.0.0.5:29400", "10.0.0.6")
-    assert flags["--rdzv-conf"] == "is_host=false"  # member 0 hosts the rendezvous
+    assert flags["--rdzv-conf"] == "is_host=false,join_timeout=600"  # member 0 hosts the rendezvous
     env = torchrun_environment(plan_workers(second, 4), second, ["0", "1", "2", "3"])
     assert "GLOO_SOCKET_IFNAME" not in env  # the LAN's interface is the operator's to name, not loopback
 
@@ -76,7 +76,7 @@ def test_a_run_across_members_numbers_ranks_member_by_member_and_joins_them_at_m
     (MEMBERS, 2, "member: must be an index into members"),
     ([{"drafters": 0, "targets": 1}, {"drafters": 1, "targets": 1}], 1,
      r"members\[0\].drafters: must be >= 1"),
-    ([{"drafters": 1, "gpus": 1}], 0, "exactly the keys drafters and targets"),
+    ([{"drafters": 1, "gpus": 1}], 0, "must have the keys drafters and targets"),
 ])
 def test_members_that_do_not_fit_are_config_errors(members, member, message):
     with pytest.raises(ConfigError, match=message):
