@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 import ansible_runner
+import yaml
 
 from .sim import down, up
 
@@ -250,12 +251,12 @@ def local_inventory(directory):
 class Fleet:
     """A pvesim with the sim inventory's group_vars next to its hosts.yml, and helpers to look inside."""
 
-    def __init__(self, base, nodes, containers, gpus=8):
+    def __init__(self, base, nodes, containers, gpus=8, network="isolated"):
         self.base = base
         (base / "inventory").mkdir(parents=True, exist_ok=True)
         (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)
         self.sim = up(nodes=nodes, containers=containers, gpus=gpus, state_dir=base / "state",
-                      inventory=base / "inventory" / "hosts.yml")
+                      inventory=base / "inventory" / "hosts.yml", network=network)
         self.src = snapshot_source(base / "src")
         self.assets = prepare_assets()
 
@@ -293,6 +294,11 @@ class Fleet:
     def read(self, vmid, path):
         res = self.ct(vmid, f"cat {shlex.quote(path)}")
         return res.stdout if res.returncode == 0 else None
+
+    def host_vars(self, host, variables):
+        """Write the inventory's host_vars/<host>.yml (next to hosts.yml; read by every later play)."""
+        (self.base / "inventory" / "host_vars").mkdir(exist_ok=True)
+        (self.base / "inventory" / "host_vars" / f"{host}.yml").write_text(yaml.safe_dump(variables))
 
     def run_info(self, vmid):
         """The run's pidfile as data, or None."""
