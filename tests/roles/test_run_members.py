@@ -68,11 +68,6 @@ def test_deploy_starts_one_run_across_both_members(fleet):
     assert set(started) == set(HOSTS)
     assert [workers(fleet, v) for v in CONTAINERS] == [["drafter0", "target0"], ["drafter1", "target1"]]
     assert all(fleet.status(v)["step"] >= 1 for v in CONTAINERS)
-    # A second deploy leaves the run as it is on both.
-    pids = [fleet.run_info(v)["pid"] for v in CONTAINERS]
-    again = fleet.play("deploy.yml")
-    assert again.rc == 0, again
-    assert [fleet.run_info(v)["pid"] for v in CONTAINERS] == pids
 
 
 def test_status_shows_the_run_as_one_row_with_its_members(fleet):
@@ -112,14 +107,11 @@ def test_a_member_that_fails_to_start_stops_the_other_and_is_named(fleet):
     failure = res.results("Fail naming the members that did not start.")
     assert set(failure) == set(HOSTS), res
     message = failure["ct210"]["msg"]
-    assert "Run main did not start on" in message and "ct211: " in message and BLOCKER in message, message
-    assert "Every member (ct210, ct211) is stopped." in message
+    assert "Run main did not start on ct210, ct211:" in message, message
+    # CT 211 failed on its own (its output dir), CT 210 waited at the rendezvous for it.
+    assert "ct211: run exited with code 1" in message and f"Not a directory: '{BLOCKER}/" in message, message
+    assert "RendezvousTimeoutError" in message and "Every member (ct210, ct211) is stopped." in message
     assert [fleet.run_info(v) for v in CONTAINERS] == [None, None]
-    for vmid in CONTAINERS:
+    for vmid in CONTAINERS:  # no worker of either member is left
         assert fleet.ct(vmid, "ps -eo args | grep -c '[d]flash'").stdout.strip() == "0"
-
-    # Put right, the next deploy brings the run back on both members.
     assert fleet.ct(211, f"rm {BLOCKER} && mv {BLOCKER}.aside {BLOCKER}").returncode == 0
-    res = fleet.play("deploy.yml")
-    assert res.rc == 0, res
-    assert [workers(fleet, v) for v in CONTAINERS] == [["drafter0", "target0"], ["drafter1", "target1"]]
