@@ -317,15 +317,19 @@ class Fleet:
         text = self.read(vmid, "/var/lib/dflash/runs/main/status.json")
         return json.loads(text) if text else {}
 
-    def wait_for_checkpoint(self, vmid, timeout=120):
-        """Wait until the run has saved a checkpoint; returns status.json (raises TimeoutError)."""
+    def wait_for_status(self, vmid, predicate, timeout=120, what="the condition"):
+        """Wait until `predicate(status.json)` holds; returns status.json (raises TimeoutError)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.status(vmid)
-            if status.get("last_checkpoint"):
+            if predicate(status):
                 return status
             time.sleep(2)
-        raise TimeoutError(f"CT {vmid}: no checkpoint within {timeout} s; status {self.status(vmid)}")
+        raise TimeoutError(f"CT {vmid}: no {what} within {timeout} s; status {self.status(vmid)}")
+
+    def wait_for_checkpoint(self, vmid, timeout=120):
+        """Wait until the run has saved a checkpoint; returns status.json (raises TimeoutError)."""
+        return self.wait_for_status(vmid, lambda s: s.get("last_checkpoint"), timeout, "checkpoint")
 
     def down(self):
         down(self.sim.state_dir)
