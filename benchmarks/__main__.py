@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("hidden_states", "target_capture", "attention", "drafter_rank", "pipeline", "restart_cycle", "fleet")
+ORDER = ("hidden_states", "target_capture", "attention", "drafter_rank", "pipeline", "members",
+         "restart_cycle", "fleet")
 
 
 def run_one(name: str, extra: list[str]) -> dict:

@@ -129,14 +129,19 @@ def run_training(config_path: Path, tokens_per_step: int, warmup: int) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"training run {config_path.name} failed ({result.returncode}):\n"
                          f"{result.stderr[-3000:]}")
-    steps = [json.loads(line) for line in result.stdout.splitlines()
+    return {**steady_rate(config_path.name, result.stdout, tokens_per_step, warmup), "wall_s": wall}
+
+
+def steady_rate(name: str, stdout: str, tokens_per_step: int, warmup: int) -> dict:
+    """Steady-state tokens/s from a run's step events: the steps after the first `warmup`."""
+    steps = [json.loads(line) for line in stdout.splitlines()
              if line.startswith("{") and '"event": "step"' in line]
     steady = steps[warmup:]
     if len(steady) < 2:
-        raise SystemExit(f"{config_path.name}: too few steps after the warm-up ({len(steps)} in all)")
+        raise SystemExit(f"{name}: too few steps after the warm-up ({len(steps)} in all)")
     seconds = steady[-1]["time"] - steady[0]["time"]
     rate = (len(steady) - 1) * tokens_per_step / seconds
-    return {"tokens_per_s": rate, "steps": len(steps), "wall_s": wall, "final_loss": steps[-1]["loss"]}
+    return {"tokens_per_s": rate, "steps": len(steps), "final_loss": steps[-1]["loss"]}
 
 
 def main(argv: list[str] | None = None) -> int:

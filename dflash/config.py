@@ -188,6 +188,17 @@ class PipelineConfig(_Section):
     queue_depth: int = 4
     threads_per_worker: int = 1
     max_restarts: int = 3
+    # A run across several containers ("members"): every member's worker counts in member order,
+    # [{"host": "ct200", "drafters": 1, "targets": 1}, ...] (this member's entry must match its own
+    # layout above; host, optional, names the member);
+    # this member's index; the c10d rendezvous endpoint "host:port" on member 0; this member's
+    # own address (torchrun's --local-addr; the rendezvous and the collectives' sockets use it).
+    members: list[dict] = field(default_factory=list)
+    member: int = 0
+    rendezvous: str = ""
+    address: str = ""
+    # Seconds a member waits at the rendezvous for the others (a member that never comes fails the rest).
+    rendezvous_timeout: int = 600
     _name = "pipeline"
 
     def __post_init__(self) -> None:
@@ -204,8 +215,41 @@ class PipelineConfig(_Section):
         self._require(self.queue_depth >= 1, "queue_depth", "must be >= 1")
         self._require(self.threads_per_worker >= 1, "threads_per_worker", "must be >= 1")
         self._require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        self._require(self.rendezvous_timeout >= 1, "rendezvous_timeout", "must be >= 1")
         if self.is_multi_process:
             self._check_layout()
+        if self.members:
+            self._check_members()
+
+    def _check_members(self) -> None:
+        """A run across members: every member with its counts, this one's matching its layout."""
+        def require(ok: bool, key: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"pipeline.{key}", message)
+
+        require(self.is_multi_process, "members",
+                "needs this member's layout (target and drafter workers or GPUs)")
+        for i, entry in enumerate(self.members):
+            key = f"members[{i}]"
+            require({"drafters", "targets"} <= set(entry) <= {"host", "drafters", "targets"}, key,
+                    f"must have the keys drafters and targets (and host, its name), got {sorted(entry)}")
+            for name in ("drafters", "targets"):
+                value = entry[name]
+                require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                        f"{key}.{name}", f"must be an integer >= 0, got {value!r}")
+            # Each member logs the run's steps and keeps its own copy of the checkpoints: it needs a drafter.
+            require(entry["drafters"] >= 1, f"{key}.drafters",
+                    "must be >= 1 (each member's first drafter logs the steps and keeps the checkpoints)")
+        require(0 <= self.member < len(self.members), "member",
+                f"must be an index into members (0..{len(self.members) - 1}), got {self.member}")
+        drafters, targets = self.local_counts
+        own = self.members[self.member]
+        require((own["drafters"], own["targets"]) == (drafters, targets), f"members[{self.member}]",
+                f"says {own['drafters']} drafter(s) and {own['targets']} target(s), this member's layout "
+                f"has {drafters} and {targets}")
+        host, _, port = self.rendezvous.rpartition(":")
+        require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "rendezvous",
+                f"must be host:port (the c10d endpoint on member 0), got {self.rendezvous!r}")
 
     def _check_layout(self) -> None:
         """The rules a worker layout must follow wherever it runs (the GPUs it may use are checked
@@ -237,6 +281,21 @@ class PipelineConfig(_Section):
             if beyond:
                 raise ConfigError(f"pipeline.{key}", f"GPUs {beyond} do not exist here "
                                   f"({n_visible_gpus} visible: 0..{n_visible_gpus - 1})")
+
+    @property
+    def local_counts(self) -> tuple[int, int]:
+        """(drafters, targets) of this member's layout."""
+        if self.device == "cuda":
+            return len(self.drafter_gpus), len(self.target_gpus)
+        return self.drafter_workers, self.target_workers
+
+    @property
+    def member_counts(self) -> list[tuple[int, int]]:
+        """(drafters, targets) of every member of the run, in member order (this one alone when the
+        run has no `members`)."""
+        if not self.members:
+            return [self.local_counts]
+        return [(m["drafters"], m["targets"]) for m in self.members]
 
     @property
     def is_multi_process(self) -> bool:

@@ -9,7 +9,9 @@ does not give stays here:
 - the layout: one worker per drafter GPU then per target GPU (global rank order, so rank 0 is
   drafter 0), refused before anything starts when it overlaps or exceeds the visible GPUs; the
   worker of local rank r uses `cuda:r`, and `CUDA_VISIBLE_DEVICES` lists the layout's GPUs in rank
-  order;
+  order. A run across several containers (`pipeline.members`) has one launcher and one torchrun
+  per member, joined by a c10d rendezvous at `pipeline.rendezvous` on member 0; global ranks go
+  member by member in member order, each member's drafters then its targets (`rank_table`);
 - the log and `status.json`: every worker writes JSON lines to torchrun's stdout, which is this
   process's pipe; they are forwarded to the run's log, and `status.json` (step, loss, last
   checkpoint, restarts, the error, per-worker state) follows them;
@@ -60,38 +62,57 @@ class WorkerSpec:
 
     name: str  # drafter0, drafter1..., target0...
     role: str  # "drafter" | "target"
-    role_rank: int  # index among the workers of its role
-    rank: int  # global torch.distributed rank (= LOCAL_RANK in one container): drafters first
+    role_rank: int  # index among the workers of its role, over every member
+    rank: int  # global torch.distributed rank: the member's first rank + LOCAL_RANK (`rank_table`)
     gpus: tuple[int, ...]  # the layout's GPU indices (into the launcher's visible GPUs); () on CPU
 
 
-def layout_counts(pipeline: PipelineConfig) -> tuple[int, int]:
-    """(drafters, targets) of a layout."""
-    if pipeline.device == "cuda":
-        return len(pipeline.drafter_gpus), len(pipeline.target_gpus)
-    return pipeline.drafter_workers, pipeline.target_workers
+def rank_table(pipeline: PipelineConfig) -> list[tuple[str, str, int, int]]:
+    """(name, role, role rank, member) of every global rank of the run, in rank order: member by
+    member in member order, and within a member its drafters, then its targets; role ranks count in
+    rank order. One member: drafters first, rank 0 is drafter 0. Members [1+1, 1+1]: drafter0,
+    target0 (member 0), drafter1, target1 (member 1)."""
+    table: list[tuple[str, str, int, int]] = []
+    counts = {"drafter": 0, "target": 0}
+    for member, (drafters, targets) in enumerate(pipeline.member_counts):
+        for role in ["drafter"] * drafters + ["target"] * targets:
+            table.append((f"{role}{counts[role]}", role, counts[role], member))
+            counts[role] += 1
+    return table
 
 
-def role_of(rank: int, n_drafters: int) -> tuple[str, str, int]:
-    """(name, role, role rank) of global rank `rank`: drafters first, then targets."""
-    if rank < n_drafters:
-        return f"drafter{rank}", "drafter", rank
-    return f"target{rank - n_drafters}", "target", rank - n_drafters
+def first_rank(pipeline: PipelineConfig) -> int:
+    """The global rank of this member's local rank 0."""
+    return sum(d + t for d, t in pipeline.member_counts[:pipeline.member])
 
 
 def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
-    """The workers of a layout in rank order, or ConfigError when it names GPUs that are not
-    visible here. (PipelineConfig already refused layouts that cannot run anywhere.)"""
+    """This member's workers in local rank order, or ConfigError when the layout names GPUs that are
+    not visible here. (PipelineConfig already refused layouts that cannot run anywhere.)"""
     pipeline.check_visible_gpus(n_visible_gpus)
-    n_drafters, n_targets = layout_counts(pipeline)
+    n_drafters, n_targets = pipeline.local_counts
     gpus = [(g,) for g in pipeline.drafter_gpus + pipeline.target_gpus] or [()] * (n_drafters + n_targets)
-    return [WorkerSpec(*role_of(rank, n_drafters), rank, gpus[rank]) for rank in range(len(gpus))]
+    table, first = rank_table(pipeline), first_rank(pipeline)
+    return [WorkerSpec(*table[first + local][:3], first + local, gpus[local]) for local in range(len(gpus))]
+
+
+def rendezvous_arguments(pipeline: PipelineConfig) -> list[str]:
+    """One container: c10d on loopback. Several members: c10d at member 0's endpoint, which member 0
+    hosts (`is_host`; on a shared loopback every member would think it could), each member known by
+    its own address."""
+    if not pipeline.members:
+        return ["--standalone", "--nnodes", "1"]
+    is_host = "true" if pipeline.member == 0 else "false"
+    own = ["--local-addr", pipeline.address] if pipeline.address else []
+    return ["--nnodes", str(len(pipeline.members)), "--rdzv-backend", "c10d", "--rdzv-id", "dflash",
+            "--rdzv-endpoint", pipeline.rendezvous,
+            "--rdzv-conf", f"is_host={is_host},join_timeout={pipeline.rendezvous_timeout}", *own]
 
 
 def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int) -> list[str]:
-    """torchrun for one container: c10d rendezvous on loopback, one worker per layout slot."""
+    """torchrun for this container: the rendezvous, one worker per layout slot."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        sys.executable, "-m", "torch.distributed.run", *rendezvous_arguments(pipeline),
         "--nproc-per-node", str(n_workers), "--max-restarts", str(pipeline.max_restarts),
         "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(math.ceil(FAILURE_GRACE_S)),
         # SIGTERM/SIGINT are this launcher's to forward (see the module's docstring).
@@ -114,8 +135,14 @@ def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig,
         "MKL_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
     })
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        env.setdefault(name, "lo")  # one container: the rendezvous and the collectives stay on loopback
+    if pipeline.members:
+        # Each start of the group rendezvouses in a store of its own (hosted by global rank 0's
+        # worker): torchrun's restart counts, which named each start's keys in one container, differ
+        # between members (only the member whose worker failed counts a restart).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.setdefault(name, "lo")  # one container: the rendezvous and the collectives stay on loopback
     return env
 
 
@@ -237,7 +264,7 @@ class Launcher:
             cause = self.last_failure or "a worker failed"
             self.emit("restart", restart=restart, max_restarts=self.cfg.pipeline.max_restarts, cause=cause)
             self.update_status(state="stopping" if self.stop_requested else "starting", restarts=restart)
-        spec = self.specs[int(record["rank"])]
+        spec = self.specs[int(record["local_rank"])]
         worker = WorkerState(spec, int(record["pid"]))
         self.workers[spec.name] = worker
         self.update_status()

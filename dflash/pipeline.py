@@ -46,9 +46,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from dflash.checkpoint import list_checkpoints, remove_partial_saves
 from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
-from dflash.launcher import die_with_parent, layout_counts, role_of
+from dflash.launcher import die_with_parent, first_rank, rank_table
 from dflash.runtime import EventLog, StopSignal
 from dflash.target import load_target, load_target_head, target_hidden_states
 from dflash.train import DrafterRun
@@ -71,11 +72,14 @@ class WorkerContext:
     name: str
     role: str
     role_rank: int
-    rank: int
+    rank: int  # the run's global rank (`rank_table`): the member's first rank + LOCAL_RANK
     local_rank: int
     world_size: int
-    num_targets: int
-    num_drafters: int
+    drafter_ranks: tuple[int, ...]  # global ranks of drafter 0, 1...
+    target_ranks: tuple[int, ...]  # global ranks of target 0, 1...
+    member_leader: bool  # the first drafter of its member: logs steps, writes the member's checkpoints
+    members: int
+    torchrun_rank: int  # RANK as torchrun assigned it (members may join its rendezvous in any order)
     restart: int  # torchrun's restart count: 0 for the first start
 
     @classmethod
@@ -86,19 +90,32 @@ class WorkerContext:
         except KeyError as missing:
             raise SystemExit(f"dflash.pipeline: {missing} is not set; workers are started by torchrun "
                              "through the launcher (python -m dflash.train with a pipeline layout)") from None
-        num_drafters, num_targets = layout_counts(pipeline)
-        if world_size != num_drafters + num_targets:
-            raise ConfigError("pipeline", f"the layout has {num_drafters} drafter and {num_targets} target "
-                              f"workers, torchrun started {world_size}")
-        return cls(*role_of(rank, num_drafters), rank, local_rank, world_size, num_targets, num_drafters,
-                   int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        table = rank_table(pipeline)
+        if world_size != len(table):
+            raise ConfigError("pipeline", f"the run's layout has {len(table)} workers, torchrun started "
+                              f"{world_size}")
+        own = first_rank(pipeline) + local_rank
+        name, role, role_rank, member = table[own]
+        ranks = {r: tuple(i for i, row in enumerate(table) if row[1] == r) for r in ("drafter", "target")}
+        leader = role == "drafter" and own == min(i for i in ranks["drafter"] if table[i][3] == member)
+        return cls(name, role, role_rank, own, local_rank, world_size, ranks["drafter"], ranks["target"],
+                   leader, len(pipeline.member_counts), rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self.drafter_ranks)
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.target_ranks)
 
     def target_rank(self, batch_index: int) -> int:
         """Global rank of the target worker that computes batch `batch_index`."""
-        return self.num_drafters + batch_index % self.num_targets
+        return self.target_ranks[batch_index % self.num_targets]
 
     @staticmethod
     def drafter_rank(batch_index: int, num_drafters: int) -> int:
+        """Role rank of the drafter that trains on batch `batch_index`."""
         return batch_index % num_drafters
 
 
@@ -288,7 +305,8 @@ class PipelineDrafterRun(DrafterRun):
         self.ctx, self.group, self.signal = ctx, group, signal
         self.leader = ctx.role_rank == 0
         self.steps_done_here = 0
-        self.telemetry.enabled = self.leader  # one writer of metrics.jsonl and the event files
+        # One writer of metrics.jsonl and the event files per member (each member's container has its own).
+        self.telemetry.enabled = ctx.member_leader
         self.started_at = time.perf_counter()
         if self.leader and cfg.data.eval_path is not None:
             # Drafter 0 evaluates held-out data. The target's features of those examples are computed
@@ -312,11 +330,28 @@ class PipelineDrafterRun(DrafterRun):
         return states
 
     def save(self) -> None:
-        if self.leader:
+        """Each member's first drafter writes the checkpoint in its member's output dir (DDP keeps
+        every drafter's weights and optimizer the same), with every drafter's random state."""
+        if self.ctx.member_leader:
             super().save()
         else:
-            self.random_states()  # drafter 0 gathers every drafter's random state
+            self.random_states()  # the member leaders gather every drafter's random state
         self.last_saved_step = self.trainer.step
+
+    def checkpoint_to_resume(self):
+        """Across members: the latest step every member has a checkpoint of (a member whose last
+        save a kill interrupted resumes with the others from the one before)."""
+        if self.ctx.members == 1:
+            return super().checkpoint_to_resume()
+        remove_partial_saves(self.output_dir)
+        found = {int(p.name.rpartition("-")[2]): p for p in list_checkpoints(self.output_dir)}
+        everyone: list = [None] * self.ctx.num_drafters
+        dist.all_gather_object(everyone, sorted(found) if self.cfg.run.resume else [], group=self.group)
+        common = set.intersection(*(set(steps) for steps in everyone))
+        if not common and any(everyone):
+            raise RuntimeError(f"the members have no checkpoint step in common (each drafter's steps, in "
+                               f"role rank order: {everyone}); move the checkpoints aside to start over")
+        return found[max(common)] if common else None
 
     def train_one_step(self) -> StepResult:
         maybe_inject_failure(self.ctx, self.trainer.step + 1)
@@ -337,15 +372,13 @@ class PipelineDrafterRun(DrafterRun):
 
 
 def run_drafter(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device: torch.device) -> str:
-    ranks = list(range(ctx.num_drafters))
-    group = drafter_group(ctx, ranks)
-    leader = ctx.role_rank == 0
-    run = PipelineDrafterRun(cfg, ctx, WorkerLog(cfg.optim.total_steps, ctx.name, leader), signal, device,
-                             group if ctx.num_drafters > 1 else None)
+    group = drafter_group(ctx)
+    log = WorkerLog(cfg.optim.total_steps, ctx.name, ctx.member_leader)
+    run = PipelineDrafterRun(cfg, ctx, log, signal, device, group if ctx.num_drafters > 1 else None)
     run.resume()
     first_step = run.trainer.step
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
-    dist.broadcast(position, src=0)
+    dist.broadcast(position, src=ctx.drafter_ranks[0])
     last_step = run_end_step(cfg, first_step)
     feed = BatchFeed(ctx, first_step * ctx.num_drafters, last_step * ctx.num_drafters,
                      cfg.pipeline.queue_depth, device)
@@ -363,9 +396,9 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device
     return reason
 
 
-def drafter_group(ctx: WorkerContext, ranks: list[int]):
+def drafter_group(ctx: WorkerContext):
     """The drafters' own process group (DDP and the stop vote); every rank must create it."""
-    return dist.new_group(ranks=ranks)
+    return dist.new_group(ranks=list(ctx.drafter_ranks))
 
 
 def run_end_step(cfg: TrainConfig, first_step: int) -> int:
@@ -379,13 +412,13 @@ def run_end_step(cfg: TrainConfig, first_step: int) -> int:
 # --- target ranks --------------------------------------------------------------------------------
 def run_target(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device: torch.device) -> str:
     log = WorkerLog(cfg.optim.total_steps, ctx.name)
-    drafter_group(ctx, list(range(ctx.num_drafters)))
+    drafter_group(ctx)
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
     examples = load_examples(cfg.data.path, cfg.data.max_length, target.config.vocab_size)
     order = BatchOrder(len(examples), cfg.data.batch_size, cfg.run.seed)
     position = torch.zeros(3, dtype=torch.int64, device=device)
-    dist.broadcast(position, src=0)
+    dist.broadcast(position, src=ctx.drafter_ranks[0])
     first_step, epoch, cursor = position.tolist()
     order.load_state_dict({"epoch": epoch, "cursor": cursor, "num_examples": len(examples)})
     first, end = first_step * ctx.num_drafters, run_end_step(cfg, first_step) * ctx.num_drafters
@@ -405,8 +438,9 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device:
         batch = {k: t.to(device) for k, t in collate([examples[i] for i in indices]).items()}
         packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
                                       cfg.model.target_rows_per_pass)
-        send_batch(ctx.drafter_rank(index, ctx.num_drafters), index, packed.features, packed.cu_seqlens,
-                   packed.position_ids, packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
+        drafter = ctx.drafter_ranks[ctx.drafter_rank(index, ctx.num_drafters)]
+        send_batch(drafter, index, packed.features, packed.cu_seqlens, packed.position_ids,
+                   packed.pack(batch["input_ids"]), packed.pack(batch["loss_mask"]))
         sent += 1
     log.emit("stop", batches_sent=sent, reason=reason)
     return reason
@@ -417,18 +451,20 @@ def send_end_markers(ctx: WorkerContext, index: int, end: int, device: torch.dev
     will come; all at once, since each drafter receives in its own order."""
     waiting = sorted({ctx.drafter_rank(i, ctx.num_drafters) for i in range(index, end)
                       if ctx.target_rank(i) == ctx.rank})
-    works = [dist.isend(end_marker(device), dst) for dst in waiting]
+    works = [dist.isend(end_marker(device), ctx.drafter_ranks[dst]) for dst in waiting]
     for work in works:
         work.wait()
 
 
 # --- entry point ---------------------------------------------------------------------------------
 def attempt_store(ctx: WorkerContext) -> dist.Store:
-    """torchrun's store (env:// rendezvous: MASTER_ADDR/PORT), under a prefix of its own for each
-    start of the group. torchrun keeps one store for all its restarts, and the process group's
-    keys (each rank's address) from an earlier start would otherwise be read as this start's."""
-    store, _, _ = next(rendezvous("env://", ctx.rank, ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT))
-    return dist.PrefixStore(f"dflash/start-{ctx.restart}", store)
+    """torchrun's store (env:// rendezvous: MASTER_ADDR/PORT, torchrun's own rank 0 hosting it when
+    it is not torchrun's), under a prefix of its own for each start of the group. In one container
+    torchrun keeps one store for all its restarts, and the process group's keys (each rank's
+    address) from an earlier start would otherwise be read as this start's. Across members each
+    start has a new store (the launcher asks torchrun for that) and one prefix serves."""
+    store, _, _ = next(rendezvous("env://", ctx.torchrun_rank, ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT))
+    return dist.PrefixStore("dflash/start" if ctx.members > 1 else f"dflash/start-{ctx.restart}", store)
 
 
 def worker_main(config_path: str) -> int:

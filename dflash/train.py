@@ -89,9 +89,12 @@ class DrafterRun:
         """Every drafter rank's random state, in rank order (here: this rank only)."""
         return [self.random_state()]
 
-    def resume(self) -> None:
+    def checkpoint_to_resume(self) -> Path | None:
         remove_partial_saves(self.output_dir)
-        checkpoint = latest_checkpoint(self.output_dir) if self.cfg.run.resume else None
+        return latest_checkpoint(self.output_dir) if self.cfg.run.resume else None
+
+    def resume(self) -> None:
+        checkpoint = self.checkpoint_to_resume()
         if checkpoint is None:
             return
         model_state, state, _ = load_checkpoint(checkpoint)

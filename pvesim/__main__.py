@@ -35,6 +35,9 @@ def parser():
                            "'container' only the container's own (default host)")
     p_up.add_argument("--node-user", help="log in to the nodes as this user (made if missing), with the sudo "
                                           "rule for /usr/sbin/pct, instead of root")
+    p_up.add_argument("--network", choices=("isolated", "loopback"), default="isolated",
+                      help="isolated: each container reaches only itself (default); loopback: containers "
+                           "reach each other at their own 127.x.y.z addresses (net0)")
     p_down = sub.add_parser("down", help="stop and remove everything a sim started (also after a crash)")
     which = p_down.add_mutually_exclusive_group()
     which.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
@@ -64,7 +67,9 @@ def print_status(state_dirs):
             print(f"  {n.name:<6} {n.address}:{n.port:<6} sshd pid {n.sshd_pid} {listening}")
             for vmid in n.containers:
                 state = (container.state(files, vmid) or "missing").lower()
-                print(f"    CT {vmid:<8} {state:<8} ct{vmid}  init pid {container.init_pid(files, vmid)}")
+                init = container.init_pid(files, vmid)
+                address = f"  {sim.address_of(vmid)}" if sim.network == "loopback" else ""
+                print(f"    CT {vmid:<8} {state:<8} ct{vmid}  init pid {init}{address}")
     return 0
 
 
@@ -73,7 +78,8 @@ def main(argv=None):
     try:
         if args.command == "up":
             sim = up(nodes=args.nodes, containers=args.containers, gpus=args.gpus, state_dir=args.state_dir,
-                     inventory=args.inventory, compute_apps=args.compute_apps, node_user=args.node_user)
+                     inventory=args.inventory, compute_apps=args.compute_apps, node_user=args.node_user,
+                     network=args.network)
             return print_status([sim.state_dir])
         if args.command == "down":
             down_all() if args.all else down(args.state_dir)

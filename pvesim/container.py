@@ -67,9 +67,17 @@ def container_gpu_config(vmid):
     return json.dumps({"state": f"{NODE_GPU_VIEW}/state.json", "proc": HOST_PROC_VIEW, "vmid": vmid})
 
 
-def proxmox_config(vmid, gpu_indices, hostname=None):
+def container_address(tag, vmid):
+    """A container's own loopback address on a sim with the `loopback` network: 127.<sim>.<vmid>, the
+    second octet from the sim's tag (sims side by side do not share addresses), never 127.0.x.x (the
+    nodes' sshd addresses)."""
+    return f"127.{1 + int(tag, 16) % 254}.{vmid >> 8 & 255}.{vmid & 255}"
+
+
+def proxmox_config(vmid, gpu_indices, hostname=None, address=None):
     """The container's Proxmox config (what /etc/pve/nodes/<node>/lxc/<vmid>.conf holds), passing the
-    node's GPUs `gpu_indices` through as PVE 8.1+ does (devN entries)."""
+    node's GPUs `gpu_indices` through as PVE 8.1+ does (devN entries); with `address`, its net0 on
+    vmbr0 with that static address."""
     lines = ["arch: amd64", "cores: 2"]
     devices = [f"/dev/nvidia{i}" for i in gpu_indices]
     if devices:
@@ -79,6 +87,10 @@ def proxmox_config(vmid, gpu_indices, hostname=None):
     lines += [f"hostname: {hostname or f'ct{vmid}'}"]
     lines += [
         "memory: 8192",
+    ]
+    if address:
+        lines += [f"net0: name=eth0,bridge=vmbr0,ip={address}/8,type=veth"]
+    lines += [
         "ostype: debian",
         f"rootfs: local:{vmid}/vm-{vmid}-disk-0.raw,size=32G",
         "swap: 0",
@@ -86,12 +98,18 @@ def proxmox_config(vmid, gpu_indices, hostname=None):
     return "".join(f"{line}\n" for line in lines)
 
 
-def lxc_config(tag, vmid, delta, gpu_dir, hostname):
+# LXC's network types for pvesim's two networks: `isolated`, a network namespace of the container's own
+# with loopback only; `loopback`, the machine's network namespace shared (each container reaches the
+# others, and nothing else this machine does not reach, through its own 127.x.y.z address).
+LXC_NETWORK = {"isolated": "empty", "loopback": "none"}
+
+
+def lxc_config(tag, vmid, delta, gpu_dir, hostname, network="isolated"):
     return f"""\
 # LXC container {vmid} of pvesim (written by pvesim)
 lxc.uts.name = {hostname}
 lxc.rootfs.path = overlay:/:{delta}
-lxc.net.0.type = empty
+lxc.net.0.type = {LXC_NETWORK[network]}
 lxc.mount.auto = proc:mixed sys:ro cgroup:mixed
 lxc.autodev = 1
 lxc.pty.max = 64
@@ -158,12 +176,12 @@ def _whiteout(delta, path):
         os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
-def write_lxc(node_files, tag, vmid, hostname):
+def write_lxc(node_files, tag, vmid, hostname, network="isolated"):
     """Write the container's LXC config and the files of its own layer (what `pct create` makes)."""
     ct_dir = node_files.lxcpath / str(vmid)
     delta = ct_dir / "delta"
     delta.mkdir(parents=True, exist_ok=True)
-    (ct_dir / "config").write_text(lxc_config(tag, vmid, delta, node_files.gpu_dir, hostname))
+    (ct_dir / "config").write_text(lxc_config(tag, vmid, delta, node_files.gpu_dir, hostname, network))
     _put(delta, INIT_PATH, (PACKAGE_BIN / "pvesim-init").read_bytes(), 0o755)
     _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
     _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(vmid).encode(), 0o644)
@@ -178,10 +196,11 @@ def write_lxc(node_files, tag, vmid, hostname):
         _put(delta, f"/root/{name}", _debian_default(name, default), 0o644)
 
 
-def write_container(node_files, tag, vmid, gpu_indices):
+def write_container(node_files, tag, vmid, gpu_indices, network="isolated"):
     """A container as `pvesim up` makes it: its LXC side and its Proxmox config."""
-    write_lxc(node_files, tag, vmid, f"ct{vmid}")
-    (node_files.pve_confdir / f"{vmid}.conf").write_text(proxmox_config(vmid, gpu_indices))
+    write_lxc(node_files, tag, vmid, f"ct{vmid}", network)
+    address = container_address(tag, vmid) if network == "loopback" else None
+    (node_files.pve_confdir / f"{vmid}.conf").write_text(proxmox_config(vmid, gpu_indices, address=address))
 
 
 def lxc(tool, node_files, vmid, *args, **kw):

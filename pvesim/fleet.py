@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 import ansible_runner
+import yaml
 
 from .sim import down, up
 
@@ -251,7 +252,7 @@ class Fleet:
     """A pvesim with the sim inventory's group_vars next to its hosts.yml, and helpers to look inside."""
 
     def __init__(self, base, nodes, containers, gpus=8, **layout):
-        """`layout`: pvesim.up's gpu_passthrough, compute_apps and node_user."""
+        """`layout`: pvesim.up's gpu_passthrough, compute_apps, node_user and network."""
         self.base = base
         (base / "inventory").mkdir(parents=True, exist_ok=True)
         (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)
@@ -295,6 +296,11 @@ class Fleet:
         res = self.ct(vmid, f"cat {shlex.quote(path)}")
         return res.stdout if res.returncode == 0 else None
 
+    def host_vars(self, host, variables):
+        """Write the inventory's host_vars/<host>.yml (next to hosts.yml; read by every later play)."""
+        (self.base / "inventory" / "host_vars").mkdir(exist_ok=True)
+        (self.base / "inventory" / "host_vars" / f"{host}.yml").write_text(yaml.safe_dump(variables))
+
     def run_info(self, vmid):
         """The run's pidfile as data, or None."""
         text = self.read(vmid, "/var/lib/dflash/main.pid")
@@ -312,15 +318,19 @@ class Fleet:
         text = self.read(vmid, "/var/lib/dflash/runs/main/status.json")
         return json.loads(text) if text else {}
 
-    def wait_for_checkpoint(self, vmid, timeout=120):
-        """Wait until the run has saved a checkpoint; returns status.json (raises TimeoutError)."""
+    def wait_for_status(self, vmid, predicate, timeout=120, what="the condition"):
+        """Wait until `predicate(status.json)` holds; returns status.json (raises TimeoutError)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.status(vmid)
-            if status.get("last_checkpoint"):
+            if predicate(status):
                 return status
             time.sleep(2)
-        raise TimeoutError(f"CT {vmid}: no checkpoint within {timeout} s; status {self.status(vmid)}")
+        raise TimeoutError(f"CT {vmid}: no {what} within {timeout} s; status {self.status(vmid)}")
+
+    def wait_for_checkpoint(self, vmid, timeout=120):
+        """Wait until the run has saved a checkpoint; returns status.json (raises TimeoutError)."""
+        return self.wait_for_status(vmid, lambda s: s.get("last_checkpoint"), timeout, "checkpoint")
 
     def down(self):
         down(self.sim.state_dir)

@@ -57,6 +57,14 @@ class Sim:
     compute_apps: dict = field(default_factory=dict)
     # The user Ansible logs in to the nodes as (None: root), with the sudo rule for pct.
     node_user: str | None = None
+    # "isolated" (each container its own network namespace, loopback only) or "loopback" (containers
+    # share the machine's, each with its own 127.x.y.z address: containers on vmbr0 reaching each other).
+    network: str = "isolated"
+
+    def address_of(self, vmid):
+        """The container's own address on the `loopback` network (its net0 ip); None when isolated."""
+        self.node_of(vmid)
+        return container.container_address(self.tag, vmid) if self.network == "loopback" else None
 
     @property
     def private_key(self):
@@ -188,7 +196,8 @@ def _from_record(data):
     return Sim(state_dir=Path(data["state_dir"]), nodes=[SimNode(**n) for n in data["nodes"]],
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
-               compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"))
+               compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"),
+               network=data.get("network", "isolated"))
 
 
 def split_containers(containers, nodes):
@@ -264,7 +273,7 @@ def _healthy(sim):
 
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
-       gpu_passthrough=None, compute_apps="host", node_user=None):
+       gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated"):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
@@ -272,8 +281,12 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     GPU). `compute_apps` ("host" or "container", or {node name: either}) is the node's driver's
     compute-apps behaviour. `node_user` (a user name other than root) makes Ansible log in to the nodes as
     that user, a machine user pvesim makes, with production's sudo rule for /usr/sbin/pct
-    (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules)."""
+    (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules).
+    `network` is "isolated" (a container reaches nothing but itself) or
+    "loopback" (containers reach each other at their own 127.x.y.z addresses, `Sim.address_of`)."""
     containers = list(containers)
+    if network not in container.LXC_NETWORK:
+        raise SimError(f"network must be one of {', '.join(container.LXC_NETWORK)}, got {network!r}")
     state_dir = Path(state_dir).resolve()
     inventory = Path(inventory).resolve()
     _validate(nodes, containers, gpus, state_dir)
@@ -287,7 +300,7 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
                     and current.gpus == gpus and current.inventory_path == inventory
                     and current.passthrough == layout and current.compute_apps == modes
-                    and current.node_user == node_user)
+                    and current.node_user == node_user and current.network == network)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -303,17 +316,18 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                                f"`python -m pvesim down --state-dir {state_dir}` first")
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
-            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user)
+            return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user,
+                              network)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
-def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user):
+def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
-              compute_apps=modes, node_user=node_user,
+              compute_apps=modes, node_user=node_user, network=network,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -331,7 +345,7 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, nod
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
         for vmid in n.containers:
-            container.write_container(files, tag, vmid, layout[vmid])
+            container.write_container(files, tag, vmid, layout[vmid], network)
     _install_node_user(sim)
     sim.trust_host_keys()
     _ensure_running(sim)
@@ -384,6 +398,8 @@ def inventory_data(sim):
                 # Python that brought the sim up (the project's venv) are visible inside.
                 "pvesim_site_packages": sysconfig.get_paths()["purelib"],
             }
+            if sim.network == "loopback":
+                container_hosts[f"ct{vmid}"]["pvesim_address"] = sim.address_of(vmid)
     return {"all": {"children": {"proxmox_hosts": {"hosts": node_hosts},
                                  "training_containers": {"hosts": container_hosts}}}}
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dflash.config import ConfigError, PipelineConfig
-from dflash.launcher import plan_workers, torchrun_command, torchrun_environment
+from dflash.launcher import plan_workers, rank_table, torchrun_command, torchrun_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +48,40 @@ def test_cpu_layout_hides_gpus_and_sets_threads():
     env = torchrun_environment(workers, layout, devices=[])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+MEMBERS = [{"drafters": 1, "targets": 2}, {"drafters": 2, "targets": 1}]
+
+
+def test_a_run_across_members_numbers_ranks_member_by_member_and_joins_them_at_member_0():
+    second = PipelineConfig(device="cuda", target_gpus=[3], drafter_gpus=[0, 1], members=MEMBERS, member=1,
+                            rendezvous="10.0.0.5:29400", address="10.0.0.6")
+    assert [row[:2] for row in rank_table(second)] == [
+        ("drafter0", "drafter"), ("target0", "target"), ("target1", "target"),  # member 0
+        ("drafter1", "drafter"), ("drafter2", "drafter"), ("target2", "target")]  # member 1
+    # Member 1's local ranks 0, 1, 2 are global ranks 3, 4, 5, on its own GPUs.
+    assert [(w.name, w.rank, w.gpus) for w in plan_workers(second, n_visible_gpus=4)] == [
+        ("drafter1", 3, (0,)), ("drafter2", 4, (1,)), ("target2", 5, (3,))]
+    flags = dict(zip(command := torchrun_command(second, "/c.yaml", 3), command[1:], strict=False))
+    assert "--standalone" not in command
+    assert (flags["--nnodes"], flags["--rdzv-backend"], flags["--rdzv-endpoint"], flags["--local-addr"]) == (
+        "2", "c10d", "10.0.0.5:29400", "10.0.0.6")
+    assert flags["--rdzv-conf"] == "is_host=false,join_timeout=600"  # member 0 hosts the rendezvous
+    env = torchrun_environment(plan_workers(second, 4), second, ["0", "1", "2", "3"])
+    assert "GLOO_SOCKET_IFNAME" not in env  # the LAN's interface is the operator's to name, not loopback
+
+
+@pytest.mark.parametrize("members, member, message", [
+    (MEMBERS, 0, r"members\[0\]: says 1 drafter\(s\) and 2 target\(s\), this member's layout has 1 and 1"),
+    (MEMBERS, 2, "member: must be an index into members"),
+    ([{"drafters": 0, "targets": 1}, {"drafters": 1, "targets": 1}], 1,
+     r"members\[0\].drafters: must be >= 1"),
+    ([{"drafters": 1, "gpus": 1}], 0, "must have the keys drafters and targets"),
+])
+def test_members_that_do_not_fit_are_config_errors(members, member, message):
+    with pytest.raises(ConfigError, match=message):
+        PipelineConfig(target_workers=1, drafter_workers=1, members=members, member=member,
+                       rendezvous="127.0.0.1:29400")
 
 
 @pytest.mark.parametrize("layout, visible, message", [

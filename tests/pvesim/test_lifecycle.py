@@ -78,8 +78,8 @@ def test_down_cleans_up_after_an_up_that_crashed_half_way(tmp_path, monkeypatch)
     monkeypatch.setattr(sim_module, "_down_locked", lambda state_dir: None)
     real_write = container.write_container
 
-    def write_or_crash(files, tag, vmid, gpus):
-        return crash() if vmid == 341 else real_write(files, tag, vmid, gpus)
+    def write_or_crash(files, tag, vmid, *layout):
+        return crash() if vmid == 341 else real_write(files, tag, vmid, *layout)
 
     monkeypatch.setattr(container, "write_container", write_or_crash)
     with pytest.raises(KeyboardInterrupt):

@@ -1,0 +1,87 @@
+"""Faults under a run across two containers (pve1 CT 210, pve2 CT 211, the sim's loopback network):
+a member container stopped mid-run, a member's node unreachable when a restart begins. Each ends with
+one run or none (never two, never a stray worker), and the next deploy converges.
+
+Runs under `make test-reliability` only (`make test` has tests/roles/test_run_members.py).
+"""
+
+import json
+
+import pytest
+from input_support import InputFleet
+
+from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
+
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = InputFleet(tmp_path_factory.mktemp("member-faults"), nodes=2, containers=CONTAINERS, gpus=2,
+                   network="loopback")
+    port = 29400 + int(f.sim.tag, 16) % 20000  # the sim's own addresses: no other sim uses this endpoint
+    for host in HOSTS:
+        f.host_vars(host, member_vars(port))
+    res = f.play("deploy.yml")
+    assert res.rc == 0, str(res)
+    yield f
+    f.down()
+
+
+def trainer_processes(fleet, vmid):
+    """The trainer's processes in the container (launcher, torchrun, workers), as `ps` lists them."""
+    res = fleet.ct(vmid, "ps -eo pid,args")
+    return [line for line in res.stdout.splitlines() if "dflash." in line or "torch.distributed.run" in line]
+
+
+def run_pids(fleet):
+    return [(fleet.run_info(v) or {}).get("pid") for v in CONTAINERS]
+
+
+def resumes(fleet, vmid):
+    log = fleet.read(vmid, "/var/log/dflash/main.log") or ""
+    return [json.loads(line)["step"] for line in log.splitlines() if '"event": "resume"' in line]
+
+
+def assert_one_run_on_every_member(fleet):
+    assert all(run_pids(fleet)), run_pids(fleet)
+    for vmid in CONTAINERS:
+        assert fleet.alive(vmid, fleet.run_info(vmid)["pid"])
+        # One launcher, one torchrun and two workers: nothing of an earlier start is left.
+        assert len(trainer_processes(fleet, vmid)) == 4, trainer_processes(fleet, vmid)
+
+
+def test_a_member_container_stopped_mid_run_ends_the_run_and_a_deploy_brings_it_back(fleet):
+    fleet.wait_for_checkpoint(210)
+    fleet.node_sh(211, "pct stop 211")
+    # CT 210's workers lose their peers; its torchrun waits at a new rendezvous, then gives up.
+    status = fleet.wait_for_status(210, lambda s: s.get("state") == "failed", timeout=180, what="failed run")
+    assert status["error"], status
+    assert trainer_processes(fleet, 210) == []  # no run, no stray worker
+
+    fleet.node_sh(211, "pct start 211")
+    res = fleet.play("deploy.yml")
+    assert res.rc == 0, str(res)
+    assert_one_run_on_every_member(fleet)
+    # Both members resumed from the same checkpoint.
+    assert resumes(fleet, 210)[-1] == resumes(fleet, 211)[-1]
+
+
+def test_a_member_node_unreachable_when_a_restart_begins_leaves_the_run_as_it_is(fleet):
+    before = run_pids(fleet)
+    fleet.sim.stop_node("pve2")
+    try:
+        res = fleet.play("restart_training.yml")
+        assert res.rc != 0 and res.stats["ct211"]["unreachable"] > 0, str(res)
+        # Either the rollout stopped at CT 211's batch, or the members' play refused to touch the run.
+        refused = res.results("Fail clearly when a member of the run is not in the play any more.")
+        assert not refused or "member(s) ct211 failed earlier in this play" in refused["ct210"]["msg"]
+    finally:
+        fleet.sim.start_node("pve2")
+    # Nothing was stopped or started: the one run goes on, on both members.
+    assert run_pids(fleet) == before
+    assert_one_run_on_every_member(fleet)
+    res = fleet.play("restart_training.yml")
+    assert res.rc == 0, str(res)
+    assert run_pids(fleet) != before
+    assert_one_run_on_every_member(fleet)
