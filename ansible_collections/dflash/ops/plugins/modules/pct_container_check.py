@@ -139,11 +139,18 @@ import re
 import shutil
 import socket
 import subprocess
-from collections import namedtuple
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_of_pid
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
+    CANNOT_RUN_CODES,
+    READ_TIMEOUT,
+    START_TIMEOUT,
+    CheckFailed,
+    Pct,
+    said,
+)
 
 ARGUMENT_SPEC = dict(
     vmid=dict(type="int", required=True),
@@ -168,38 +175,8 @@ NVIDIA_SMI_ARGV = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheade
 NODE_APPS_ARGV = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
                   "--format=csv,noheader,nounits"]
 GPU_INDEX_LINE = re.compile(r"^\s*([0-9]+)\s*(?:,\s*(\S+))?\s*$")
-# What a shell or sudo answers for a command it cannot run.
-CANNOT_RUN_CODES = (126, 127)
-READ_TIMEOUT = 60
-START_TIMEOUT = 300
-
-# rc is None when the program could not be executed at all (stderr then says why).
-Answer = namedtuple("Answer", "rc stdout stderr")
-
-
-class CheckFailed(Exception):
-    """A failed check: the message is what the user sees."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Judging (pure)
-
-
-def said(answer):
-    """What pct said about a failure: its stderr, else its stdout, trimmed."""
-    return answer.stderr.strip() or answer.stdout.strip()
-
-
-def pct_cannot_run(answer, pct_path):
-    """pct answers as a missing command does: it could not be executed, a shell's 126/127, or sudo's
-    or a shell's 'not found' for pct's own path. A "No such file or directory" pct itself prints (a
-    device a container's config names, say) is pct's answer, not a missing pct."""
-    if answer.rc is None or answer.rc in CANNOT_RUN_CODES:
-        return True
-    path = re.escape(pct_path)
-    missing = re.compile(rf"^(sudo: )?(\S+: )?{path}: (command not found|not found|No such file or "
-                         "directory)", re.MULTILINE)
-    return answer.rc != 0 and bool(missing.search(said(answer)))
 
 
 def status_failure_message(pct, vmid, status, containers):
@@ -287,11 +264,6 @@ def shared_gpu_message(vmid, node, holders):
             + f", or pass other GPUs through to CT {vmid} (pct config {vmid}).")
 
 
-def pct_missing_message(pct_path, node, answer):
-    return (f"{pct_path} is missing on node {node} or cannot be run there ({said(answer)}). Is it a "
-            f"Proxmox VE node, and is the inventory's ansible_host of {node} its address?")
-
-
 def missing_container_message(vmid, node, status, containers):
     return (f"CT {vmid} does not exist on node {node} (pct: {said(status)}). Fix proxmox_vmid (or "
             f"proxmox_node) in the inventory; the node has {', '.join(containers) or 'no containers'}.")
@@ -332,48 +304,6 @@ def nvidia_smi_problem(vmid, node, answer, required_gpus):
                 "(dflash_release_target_gpus, dflash_release_drafter_gpus, dflash_run_gpus) or pass more "
                 "GPUs through to the container.")
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Running pct
-
-
-class Pct:
-    """pct on this node through its argv prefix; a pct that cannot be run fails every call."""
-
-    def __init__(self, argv, node):
-        self.argv = list(argv)
-        self.path = self.argv[-1]
-        self.node = node
-
-    def answer(self, args, timeout=READ_TIMEOUT):
-        argv = self.argv + [str(arg) for arg in args]
-        try:
-            proc = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace", check=False,
-                                  timeout=timeout, stdin=subprocess.DEVNULL, env=dict(os.environ, LC_ALL="C"))
-        except subprocess.TimeoutExpired:
-            raise CheckFailed(f"{' '.join(argv)} did not answer within {timeout} s on node {self.node}"
-                              ) from None
-        except OSError as exc:
-            return Answer(None, "", f"{argv[0]}: {exc.strerror}")
-        return Answer(proc.returncode, proc.stdout, proc.stderr)
-
-    def __call__(self, *args, timeout=READ_TIMEOUT):
-        """pct's answer; fails when pct cannot be run at all. Through `pct exec`, an exit 126 or 127
-        and a "not found" are the container command's, not pct's."""
-        answer = self.answer(args, timeout)
-        cannot_run = answer.rc is None if args[0] == "exec" else pct_cannot_run(answer, self.path)
-        if cannot_run:
-            raise CheckFailed(pct_missing_message(self.path, self.node, answer))
-        return answer
-
-    def must(self, *args, timeout=READ_TIMEOUT):
-        """stdout of a pct command that has to succeed."""
-        answer = self(*args, timeout=timeout)
-        if answer.rc != 0:
-            raise CheckFailed(f"pct {' '.join(map(str, args))} failed on node {self.node} "
-                              f"(exit {answer.rc}): {said(answer)}")
-        return answer.stdout
 
 
 def check(pct, params, check_mode, result, vmid_of_pid=vmid_of_pid):
