@@ -177,7 +177,8 @@ esac
 cat > /usr/bin/nvidia-smi <<'PVESIM_NVIDIA_SMI'
 {tool}PVESIM_NVIDIA_SMI
 chmod 0755 /usr/bin/nvidia-smi
-echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: {version}) is now complete."
+echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: {version}) is \
+now complete."
 """
 
 

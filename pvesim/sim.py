@@ -75,8 +75,9 @@ class Sim:
         raise SimError(f"no node {name!r} in the sim at {self.state_dir}")
 
     def node_of(self, vmid):
+        """The node of a container of the sim's layout, or of one `pct create` made since."""
         for n in self.nodes:
-            if vmid in n.containers:
+            if vmid in n.containers or (_node_files(self, n.name).pve_confdir / f"{vmid}.conf").exists():
                 return n
         raise SimError(f"no container {vmid} in the sim at {self.state_dir}")
 

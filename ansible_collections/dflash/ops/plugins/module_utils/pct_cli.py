@@ -10,6 +10,12 @@ import re
 import subprocess
 from collections import namedtuple
 
+# Config lines that pass a GPU through: cgroup device rules for the NVIDIA majors, bind mounts, devN
+# entries (`devN: /dev/nvidia0` or `devN: path=/dev/nvidia0,mode=0666`); pct config prints `lxc.key: value`.
+GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow\s*[:=]\s*c\s+(195|50[0-9]|23[0-9]):"
+                      r"|lxc\.mount\.entry\s*[:=]\s*/dev/nvidia|dev\d+:\s*(?:[^,\s]*,)*?(?:path=)?/dev/nvidia)")
+DEVICE_OF_LINE = re.compile(r"(?:^dev\d+:\s*(?:[^,]*,)*?(?:path=)?|^lxc\.mount\.entry\s*[:=]\s*)"
+                            r"(/dev/nvidia[^\s,]*)")
 # What a shell or sudo answers for a command it cannot run.
 CANNOT_RUN_CODES = (126, 127)
 READ_TIMEOUT = 60
@@ -87,3 +93,17 @@ class Pct:
             raise CheckFailed(f"pct {' '.join(map(str, args))} failed on node {self.node} "
                               f"(exit {answer.rc}): {said(answer)}")
         return answer.stdout
+
+
+def gpu_passthrough_lines(config_output):
+    return [line for line in config_output.splitlines() if GPU_LINE.search(line)]
+
+
+def passed_devices(lines):
+    """The /dev/nvidia* device nodes the passthrough lines name, in config order, once each."""
+    devices = []
+    for line in lines:
+        match = DEVICE_OF_LINE.search(line)
+        if match and match.group(1) not in devices:
+            devices.append(match.group(1))
+    return devices

@@ -149,6 +149,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     START_TIMEOUT,
     CheckFailed,
     Pct,
+    gpu_passthrough_lines,
+    passed_devices,
     said,
 )
 
@@ -160,12 +162,6 @@ ARGUMENT_SPEC = dict(
     require_gpu_passthrough=dict(type="bool", default=False),
     required_gpus=dict(type="list", elements="int", default=[]),
 )
-# Config lines that pass a GPU through: cgroup device rules for the NVIDIA majors, bind mounts, devN
-# entries (`devN: /dev/nvidia0` or `devN: path=/dev/nvidia0,mode=0666`); pct config prints `lxc.key: value`.
-GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow\s*[:=]\s*c\s+(195|50[0-9]|23[0-9]):"
-                      r"|lxc\.mount\.entry\s*[:=]\s*/dev/nvidia|dev\d+:\s*(?:[^,\s]*,)*?(?:path=)?/dev/nvidia)")
-DEVICE_OF_LINE = re.compile(r"(?:^dev\d+:\s*(?:[^,]*,)*?(?:path=)?|^lxc\.mount\.entry\s*[:=]\s*)"
-                            r"(/dev/nvidia[^\s,]*)")
 GPU_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")
 # What CUDA needs besides the GPUs: the driver's control device and the unified memory device.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
@@ -201,20 +197,6 @@ def node_containers(list_output):
     """The CT ids of `pct list` (a header line, then one container a line)."""
     rows = [line.split() for line in list_output.splitlines()[1:]]
     return [row[0] for row in rows if row]
-
-
-def gpu_passthrough_lines(config_output):
-    return [line for line in config_output.splitlines() if GPU_LINE.search(line)]
-
-
-def passed_devices(lines):
-    """The /dev/nvidia* device nodes the passthrough lines name, in config order, once each."""
-    devices = []
-    for line in lines:
-        match = DEVICE_OF_LINE.search(line)
-        if match and match.group(1) not in devices:
-            devices.append(match.group(1))
-    return devices
 
 
 def passthrough_problem(vmid, node, devices):
