@@ -1,6 +1,7 @@
 """Growing the fleet: a container added to the inventory, `provision.yml` creates it on its node with
 its GPUs passed through and what a run needs, `deploy.yml` deploys to it and its run trains; `--check
---diff` before says what it would create and creates nothing, and a second run changes nothing.
+--diff` before says what it would create and creates nothing, a second run changes nothing, and a
+reconcile is refused while the container's run is live.
 
 Two bad-input checks of a create run here through the module's own code against the fleet's node (pct,
 pvesm, pvesh and nvidia-smi over the node's ssh), before anything is created. Every bad-input case
@@ -66,13 +67,19 @@ def test_check_diff_then_provision_then_nothing_changes(fleet, provisioned):
     assert again.rc == 0 and again.stats[f"ct{NEW}"]["changed"] == 0, again
 
 
-def test_a_provisioned_container_deploys_and_trains(fleet, provisioned):
+def test_a_provisioned_container_deploys_and_trains_and_is_not_reconciled_under_its_run(fleet, provisioned):
     assert provisioned[2].rc == 0, provisioned[2]
     res = fleet.play("deploy.yml", "-l", f"ct{NEW}")
     assert res.rc == 0, res
     info = fleet.run_info(NEW)
     assert info and fleet.alive(NEW, info["pid"])
     assert '"event": "step"' in fleet.read(NEW, "/var/log/dflash/main.log")
+    # The inventory now differs (more cores): a reconcile is refused while the run is live.
+    before = config(fleet)
+    refused = fleet.play("provision.yml", "-l", f"ct{NEW}", "-e", "proxmox_provision_cores=4",
+                         "-e", "proxmox_provision_reconcile=true")
+    assert refused.rc != 0 and "has a live training run: nothing was changed" in refused.messages(), refused
+    assert config(fleet) == before and fleet.alive(NEW, info["pid"])
 
 
 def module_params(**overrides):

@@ -80,10 +80,16 @@ class Pct:
             raise CheckFailed(pct_missing_message(self.path, self.node, answer))
         return answer
 
-    def tool(self, program, *args, timeout=READ_TIMEOUT):
-        """Another tool of the node (pvesm, pvesh, nvidia-smi) run as pct is (through sudo when pct
-        is); rc None when it cannot be run."""
-        runner = Pct(self.argv[:-1] + [program], self.node)
+    def tool(self, program, *args, timeout=READ_TIMEOUT, as_root=True):
+        """Another tool of the node (pvesm, pvesh) run as pct is (through sudo when pct is), or one any
+        user may run (nvidia-smi) as the caller with `as_root=False`; rc None when it cannot be run."""
+        prefix = self.argv[:-1]
+        if not as_root and "sudo" in prefix:  # sudo and its options (-n) go, what comes before stays
+            at = prefix.index("sudo")
+            rest = prefix[at + 1:]
+            options = next((i for i, arg in enumerate(rest) if not arg.startswith("-")), len(rest))
+            prefix = prefix[:at] + rest[options:]
+        runner = Pct(prefix + [program], self.node)
         return runner.answer(args, timeout)
 
     def must(self, *args, timeout=READ_TIMEOUT):

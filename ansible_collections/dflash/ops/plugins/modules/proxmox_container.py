@@ -47,7 +47,8 @@ options:
   pct_argv:
     description:
       - The command that runs pct, as an argv prefix; its last element is pct's path. The node's
-        C(pvesm), C(pvesh) and C(nvidia-smi) run with the same prefix (through sudo when pct is).
+        C(pvesm) and C(pvesh) run with the same prefix (through sudo when pct is), its C(nvidia-smi)
+        without sudo.
     type: list
     elements: str
     default: [/usr/sbin/pct]
@@ -57,8 +58,8 @@ options:
     choices: [present, absent]
     default: present
   template:
-    description: The template's volume on the node's storage, e.g. V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst).
-      Required with O(state=present).
+    description: The template's volume on the node's storage, e.g.
+      V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst). Required with O(state=present).
     type: str
   hostname:
     description: The container's hostname.
@@ -203,8 +204,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     START_TIMEOUT,
     CheckFailed,
     Pct,
-    passed_devices,
     gpu_passthrough_lines,
+    passed_devices,
     said,
 )
 
@@ -262,7 +263,8 @@ def wanted_config(params):
         "onboot": "1" if params["onboot"] else "0",
     }
     wanted.update({key: str(value) for key, value in sorted(params["networks"].items())})
-    values = device_values(params["gpus"], params["control_devices"], params["unprivileged"], params["device_gid"])
+    values = device_values(params["gpus"], params["control_devices"], params["unprivileged"],
+                           params["device_gid"])
     wanted.update({f"dev{i}": value for i, value in enumerate(values)})
     return wanted
 
@@ -307,9 +309,11 @@ def same(key, have, want):
 def config_differences(wanted, actual):
     """[{key, have, want}] for every key that differs; a devN passing an NVIDIA device through that the
     options do not have is to be deleted (want None)."""
-    diffs = [{"key": k, "have": actual.get(k), "want": v} for k, v in wanted.items() if not same(k, actual.get(k), v)]
+    diffs = [{"key": key, "have": actual.get(key), "want": value} for key, value in wanted.items()
+             if not same(key, actual.get(key), value)]
     for key in sorted(actual):
-        if re.fullmatch(r"dev[0-9]+", key) and key not in wanted and passed_devices([f"{key}: {actual[key]}"]):
+        extra_device = key not in wanted and passed_devices([f"{key}: {actual[key]}"])
+        if re.fullmatch(r"dev[0-9]+", key) and extra_device:
             diffs.append({"key": key, "have": actual[key], "want": None})
     return diffs
 
@@ -334,7 +338,7 @@ def applied(actual, diffs):
 
 def node_gpus(pct):
     """[{index, uuid, minor, driver}] of the node's nvidia-smi; [] when the node has none."""
-    answer = pct.tool("nvidia-smi", *NODE_GPUS_ARGS)
+    answer = pct.tool("nvidia-smi", *NODE_GPUS_ARGS, as_root=False)
     if answer.rc is None or answer.rc in (126, 127):
         return []
     if answer.rc != 0:
@@ -366,9 +370,10 @@ def check_template(pct, vmid, template):
         where = f" ({path})" if answer.rc == 0 else f": {said(answer)}"
         folder = os.path.dirname(path) if answer.rc == 0 else ""
         found = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
-        raise CheckFailed(f"CT {vmid}: the template {template} is not on node {pct.node}{where}. Download it "
-                          f"there (pveam download {template.split(':')[0]} {template.rpartition('/')[2]}) or "
-                          f"fix proxmox_provision_template; the node has {', '.join(found) or 'no templates there'}.")
+        have = ", ".join(found) or "no templates there"
+        raise CheckFailed(f"CT {vmid}: the template {template} is not on node {pct.node}{where}. Download "
+                          f"it there (pveam download {template.split(':')[0]} {template.rpartition('/')[2]}) "
+                          f"or fix proxmox_provision_template; the node has {have}.")
 
 
 def check_vmid_free(pct, vmid, hostname):
@@ -383,9 +388,9 @@ def check_vmid_free(pct, vmid, hostname):
     for guest in guests:
         if guest.get("vmid") == vmid:
             label = "VM" if guest.get("type") == "qemu" else "CT"
-            raise CheckFailed(f"vmid {vmid} of {hostname} is taken: {label} {vmid} ({guest.get('name')}) exists "
-                              f"on node {guest.get('node')}. vmids are unique across a Proxmox VE cluster: "
-                              "choose a free proxmox_vmid for it.")
+            raise CheckFailed(f"vmid {vmid} of {hostname} is taken: {label} {vmid} ({guest.get('name')}) "
+                              f"exists on node {guest.get('node')}. vmids are unique across a Proxmox VE "
+                              "cluster: choose a free proxmox_vmid for it.")
 
 
 def gpu_holders(pct, vmid, devices):
@@ -421,9 +426,10 @@ def check_room(pct, vmid, storage, size_gib):
                           f"{said(answer) or 'no such storage'}). Fix proxmox_provision_rootfs_storage.")
     available = int(row[5])
     if available < size_gib * KIB_PER_GIB:
-        raise CheckFailed(f"CT {vmid}: storage {storage} on node {pct.node} has {available / KIB_PER_GIB:.1f} GiB "
-                          f"available (pvesm status), its root disk needs {size_gib} GiB. Free space there, or "
-                          "choose another proxmox_provision_rootfs_storage or a smaller proxmox_provision_rootfs_size.")
+        raise CheckFailed(f"CT {vmid}: storage {storage} on node {pct.node} has "
+                          f"{available / KIB_PER_GIB:.1f} GiB available (pvesm status), its root disk needs "
+                          f"{size_gib} GiB. Free space there, or choose another "
+                          "proxmox_provision_rootfs_storage or a smaller proxmox_provision_rootfs_size.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,10 +452,12 @@ def create(pct, vmid, template, wanted, start):
         started = pct("start", vmid, timeout=START_TIMEOUT)
         if started.rc != 0:
             removed = pct("destroy", vmid, timeout=START_TIMEOUT)
-            undo = "it was destroyed again" if removed.rc == 0 else f"destroying it failed too: {said(removed)}"
-            raise CheckFailed(f"CT {vmid} was created on node {pct.node} but did not start (pct start {vmid}, "
-                              f"exit {started.rc}): {said(started)}; {undo}. A device it passes through may be "
-                              f"missing on {pct.node} (proxmox_provision_control_devices, proxmox_provision_gpus).")
+            undo = ("it was destroyed again" if removed.rc == 0
+                    else f"destroying it failed too: {said(removed)}")
+            raise CheckFailed(f"CT {vmid} was created on node {pct.node} but did not start (pct start "
+                              f"{vmid}, exit {started.rc}): {said(started)}; {undo}. A device it passes "
+                              f"through may be missing on {pct.node} (proxmox_provision_control_devices, "
+                              "proxmox_provision_gpus).")
 
 
 def reconcile(pct, vmid, diffs, running):
@@ -511,12 +519,14 @@ def provision(pct, p, check_mode, result):
     after = before
     if settable and p["reconcile"]:
         if p["run_live"]:
-            raise CheckFailed(f"CT {vmid} on node {node} differs from the inventory ({difference_text(settable)}) "
-                              "but has a live training run: nothing was changed. Stop the run first "
-                              "(playbooks/stop_training.yml), then provision again.")
+            raise CheckFailed(f"CT {vmid} on node {node} differs from the inventory "
+                              f"({difference_text(settable)}) but has a live training run: nothing "
+                              "was changed. Stop the run first (playbooks/stop_training.yml), then provision "
+                              "again.")
         new = [d["want"].split(",")[0] for d in settable if d["key"].startswith("dev") and d["want"]]
         if not p["allow_shared_gpus"]:
-            check_gpus_free(pct, vmid, [int(m) for m in re.findall(r"^/dev/nvidia([0-9]+)$", "\n".join(new), re.M)])
+            check_gpus_free(pct, vmid, [int(path[len("/dev/nvidia"):]) for path in new
+                                        if re.fullmatch(r"/dev/nvidia[0-9]+", path)])
         if not check_mode:
             reconcile(pct, vmid, settable, running)
         after = applied(before, settable)
@@ -542,8 +552,8 @@ def main():
     if any(gpu < 0 for gpu in p["gpus"]) or len(set(p["gpus"])) != len(p["gpus"]):
         module.fail_json(msg=f"gpus must be distinct GPU numbers >= 0 (N of /dev/nvidiaN), got {p['gpus']}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
-    result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False, differences=[],
-                  gpu_uuids=[], driver_version=None)
+    result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
+                  differences=[], gpu_uuids=[], driver_version=None)
     try:
         provision(Pct(p["pct_argv"], node), p, module.check_mode, result)
     except CheckFailed as exc:
@@ -551,8 +561,8 @@ def main():
     left = [d for d in result["differences"] if not d["applied"]]
     if left:
         module.warn(f"CT {p['vmid']} on node {node} differs from the inventory and was left as it is: "
-                    f"{difference_text(left)}. Set proxmox_provision_reconcile: true to change it (not the root "
-                    "disk or unprivileged: pct resize, or a new container).")
+                    f"{difference_text(left)}. Set proxmox_provision_reconcile: true to change it (not "
+                    "the root disk or unprivileged: pct resize, or a new container).")
     if not module._diff:
         result.pop("diff", None)
     module.exit_json(**result)
