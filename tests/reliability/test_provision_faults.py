@@ -3,8 +3,8 @@ half-made container, never touches a container whose run is live, and a killed r
 again.
 
 The fleet: pve1 with CT 200 (GPUs 0 and 1), pve2 with CT 202 (GPUs 0 and 1) and VM 300. The inventory
-adds containers of pve1 that do not exist yet: ct201 (GPU 2), ct205 (GPU 3, the bad-input cases' target)
-and ct206 (GPU 3, shared with ct205's attempts, the killed runs' target). README.md's "Bad input to
+adds containers of pve1 that do not exist yet: ct201 (GPUs 2 and 3), ct205 (GPU 3, the bad-input cases'
+target) and ct206 (GPU 3 too, the killed runs' target); the last two may share it. README.md's "Bad input to
 provisioning" table lists the same cases.
 """
 
@@ -56,7 +56,8 @@ CASES = [
     Case("A vmid of a VM", {"proxmox_provision_vmid": 300},
          ("vmid 300 of ct205 is taken: VM 300 (vm300) exists on node pve2", "choose a free proxmox_vmid")),
     Case("Two containers of the inventory with one vmid", {"proxmox_vmid": 205},
-         ("the inventory gives", "vmid 205", "Give each container its own proxmox_vmid")),
+         ("the inventory gives ct205 and ct200 and ct202", "vmid 205",
+          "Give each container its own proxmox_vmid")),
     Case("A storage without room", {"proxmox_provision_rootfs_size": 5000},
          ("storage local on node pve1 has", "its root disk needs 5000 GiB", "proxmox_provision_rootfs_size")),
     Case("A passthrough device the node lacks",
@@ -74,7 +75,7 @@ def fleet(tmp_path_factory):
     f = InputFleet(tmp_path_factory.mktemp("provision-faults"), nodes=2, containers=(200, 202), gpus=4,
                    gpu_passthrough={200: [0, 1], 202: [0, 1]})
     f.sim.add_vm("pve2", 300)
-    f.add_to_inventory("pve1", 201, proxmox_provision_gpus=[2], **SMALL)
+    f.add_to_inventory("pve1", 201, proxmox_provision_gpus=[2, 3], **SMALL)  # the sim's run uses 2 GPUs
     for vmid in (TARGET, KILLED):
         f.add_to_inventory("pve1", vmid, proxmox_provision_gpus=[3], proxmox_provision_allow_shared_gpus=True,
                            **SMALL)
