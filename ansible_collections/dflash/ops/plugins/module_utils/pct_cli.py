@@ -16,6 +16,13 @@ GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow\s*[:=]\s*c\s+(195|50[0-9
                       r"|lxc\.mount\.entry\s*[:=]\s*/dev/nvidia|dev\d+:\s*(?:[^,\s]*,)*?(?:path=)?/dev/nvidia)")
 DEVICE_OF_LINE = re.compile(r"(?:^dev\d+:\s*(?:[^,]*,)*?(?:path=)?|^lxc\.mount\.entry\s*[:=]\s*)"
                             r"(/dev/nvidia[^\s,]*)")
+# The options of every module that runs pct on the node: the container, the node's name in messages,
+# and the argv that runs pct (through sudo for a non-root node user).
+PCT_ARGUMENTS = dict(
+    vmid=dict(type="int", required=True),
+    node_name=dict(type="str"),
+    pct_argv=dict(type="list", elements="str", default=["/usr/sbin/pct"]),
+)
 # What a shell or sudo answers for a command it cannot run.
 CANNOT_RUN_CODES = (126, 127)
 READ_TIMEOUT = 60

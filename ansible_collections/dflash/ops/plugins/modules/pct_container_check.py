@@ -36,27 +36,13 @@ version_added: "0.1.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
+  - dflash.ops.pct
 attributes:
   check_mode:
     support: full
     details: Reads the same in check mode; a stopped container that would be started is reported as
       started (changed) but not started, and its GPUs are then not checked.
 options:
-  vmid:
-    description: The container's CT id.
-    type: int
-    required: true
-  node_name:
-    description: The node's name in messages (the inventory name). Default the machine's host name.
-    type: str
-  pct_argv:
-    description:
-      - The command that runs pct, as an argv prefix; its last element is pct's path, named in
-        messages.
-      - A non-root node user runs pct through sudo, for example V([sudo, -n, /usr/sbin/pct]).
-    type: list
-    elements: str
-    default: [/usr/sbin/pct]
   start_stopped:
     description: Start the container with C(pct start) when it is stopped, instead of failing.
     type: bool
@@ -145,6 +131,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_of_pid
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     CANNOT_RUN_CODES,
+    PCT_ARGUMENTS,
     READ_TIMEOUT,
     START_TIMEOUT,
     CheckFailed,
@@ -155,9 +142,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
 )
 
 ARGUMENT_SPEC = dict(
-    vmid=dict(type="int", required=True),
-    node_name=dict(type="str"),
-    pct_argv=dict(type="list", elements="str", default=["/usr/sbin/pct"]),
+    **PCT_ARGUMENTS,
     start_stopped=dict(type="bool", default=False),
     require_gpu_passthrough=dict(type="bool", default=False),
     required_gpus=dict(type="list", elements="int", default=[]),

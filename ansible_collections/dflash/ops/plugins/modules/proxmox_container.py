@@ -25,10 +25,13 @@ description:
     O(run_live) is false. A changed GPU passthrough takes effect by restarting the container.
     The root disk and C(unprivileged) are never changed (C(pct resize) and a new container do that).
   - V(absent) destroys the container, only when O(run_live) is false.
+  - The node's C(pvesm) and C(pvesh) run with the prefix of O(pct_argv) (through sudo when pct is), its
+    C(nvidia-smi) without sudo.
 version_added: "0.1.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
+  - dflash.ops.pct
 attributes:
   check_mode:
     support: full
@@ -37,21 +40,6 @@ attributes:
     support: full
     details: The container's config before and after, one C(key: value) line each, as C(pct config) prints it.
 options:
-  vmid:
-    description: The container's CT id.
-    type: int
-    required: true
-  node_name:
-    description: The node's name in messages (the inventory name). Default the machine's host name.
-    type: str
-  pct_argv:
-    description:
-      - The command that runs pct, as an argv prefix; its last element is pct's path. The node's
-        C(pvesm) and C(pvesh) run with the same prefix (through sudo when pct is), its C(nvidia-smi)
-        without sudo.
-    type: list
-    elements: str
-    default: [/usr/sbin/pct]
   state:
     description: V(present) creates or checks the container; V(absent) destroys it.
     type: str
@@ -201,6 +189,7 @@ import socket
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
+    PCT_ARGUMENTS,
     START_TIMEOUT,
     CheckFailed,
     Pct,
@@ -210,9 +199,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
 )
 
 ARGUMENT_SPEC = dict(
-    vmid=dict(type="int", required=True),
-    node_name=dict(type="str"),
-    pct_argv=dict(type="list", elements="str", default=["/usr/sbin/pct"]),
+    **PCT_ARGUMENTS,
     state=dict(type="str", choices=["present", "absent"], default="present"),
     template=dict(type="str"),
     hostname=dict(type="str"),
