@@ -16,7 +16,7 @@ from pvesim.fleet import Fleet
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-NEW = 201  # on pve1, next to CT 200 (GPUs 0 and 1); CT 202 is on pve2
+NEW = 201  # on pve1, next to CT 200 (GPUs 0 and 1 of 4)
 NEW_VARS = dict(proxmox_provision_gpus=[2, 3], proxmox_provision_cores=2, proxmox_provision_memory=4096,
                 proxmox_provision_rootfs_size=8)
 CREATE_TASK = "Ensure the container is as the inventory says (created and started when missing)."
@@ -25,8 +25,8 @@ TEMPLATE = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("provision-fleet"), nodes=2, containers=(200, 202), gpus=4,
-              gpu_passthrough={200: [0, 1], 202: [0, 1]})
+    f = Fleet(tmp_path_factory.mktemp("provision-fleet"), nodes=1, containers=(200,), gpus=4,
+              gpu_passthrough={200: [0, 1]})
     f.add_to_inventory("pve1", NEW, **NEW_VARS)
     yield f
     f.down()
