@@ -224,7 +224,7 @@ def gpu_holders(apps_output, uuids, required_gpus, vmid, vmid_of_pid):
 def shared_gpu_message(vmid, node, holders):
     held = "; ".join(f"GPU {index} ({uuid}) by {'CT ' + str(owner) if owner else 'the node itself'} "
                      f"(pid {pid}, {mib} MiB)" for index, uuid, owner, pid, mib in holders)
-    others = sorted({owner for _, _, owner, _, _ in holders if owner})
+    others = sorted({holder[2] for holder in holders if holder[2]})
     return (f"CT {vmid} on node {node}: GPUs of the run's layout are in use outside this container: {held}. "
             "Two containers are given the same GPU: stop what runs there"
             + (f" (CT {', '.join(map(str, others))})" if others else "")

@@ -38,7 +38,8 @@ attributes:
     details: Reads and checks the same in check mode, and reports what it would create, change or destroy.
   diff_mode:
     support: full
-    details: The container's config before and after, one C(key: value) line each, as C(pct config) prints it.
+    details: >-
+      The container's config before and after, one C(key: value) line each, as C(pct config) prints it.
 options:
   state:
     description: V(present) creates or checks the container; V(absent) destroys it.
@@ -282,7 +283,7 @@ def same(key, have, want):
     if have is None:
         return False
     if key == "rootfs":  # `local:204/vm-204-disk-0.raw,size=32G` is `local:32`
-        storage, _, size = want.partition(":")
+        storage, size = want.split(":", 1)
         return have.split(":")[0] == storage and properties(have).get("size") == f"{size}G"
     if re.fullmatch(r"(dev|net)[0-9]+", key):  # the properties the inventory gives, whatever else is set
         default = "path" if key.startswith("dev") else None
