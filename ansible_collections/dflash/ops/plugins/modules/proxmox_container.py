@@ -82,7 +82,8 @@ options:
     type: bool
     default: false
   networks:
-    description: The container's network interfaces, C(netN) to its value, e.g.
+    description: >-
+      The container's network interfaces, C(netN) to its value, e.g.
       V({net0: "name=eth0,bridge=vmbr0,ip=dhcp"}). Only the properties given are compared.
     type: dict
     default: {}
