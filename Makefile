@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-reliability lint bench demo sim-up sim-down clean
+.PHONY: help setup test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.
 
 demo: setup ## Bring up pvesim and tell the stop-deploy-start story.
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo.sh
+
+demo-fleet: setup ## Grow a pvesim fleet: add a container to the inventory, provision it, deploy to it.
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo_fleet.sh
 
 sim-up: setup ## Start pvesim (1 node, CT 200, 8 simulated GPUs) and write inventory/sim/hosts.yml.
 	$(PY) -m pvesim up

@@ -19,7 +19,13 @@ and after each size (the machine may be shared), and, on the largest sim before 
 connection alone: raw ssh, raw `pct exec`, an Ansible ping through each connection, a copy of a
 small and an 8 MiB file through `cat`, and the round trips one task costs.
 
-    python -m benchmarks.fleet                     # sizes 1 2 4 8
+Provisioning (`provision.yml`, after the deploys; `--provision-sizes`, `--no-provision`): each size
+gets a fresh sim whose nodes have one container without GPUs each, and that many new containers in
+the inventory spread over the nodes, one GPU each; reported per size: the wall time of the run that
+creates them (pct create, start, the NVIDIA user-space tools, the GPU check), its ratio to one
+container, and the wall time of the second run (nothing to change).
+
+    python -m benchmarks.fleet                     # sizes 1 2 4 8, provisioning 1 and 8
     python -m benchmarks.fleet --sizes 1 8 --no-probes
     python -m benchmarks.fleet --sizes 1 8 --serial 100% --with-start
 """
@@ -41,6 +47,8 @@ from benchmarks.simbench import CATEGORIES, median
 from pvesim.fleet import REPO
 
 FIRST_VMID = 200
+PROVISION_VARS = dict(proxmox_provision_cores=2, proxmox_provision_memory=4096,
+                      proxmox_provision_rootfs_size=8)
 START = "run start + health (waits, polls, gpu_verify)"
 
 
@@ -163,6 +171,41 @@ def run_size(n: int, args, work: Path, probes: bool) -> dict:
         fleet.down()
 
 
+def provision_size(n: int, args, work: Path) -> dict:
+    """provision.yml creating `n` containers (one GPU each) over the nodes, then run again."""
+    nodes = min(args.nodes, n)
+    existing = [100 + i for i in range(nodes)]  # one container without GPUs per node
+    base = Path(tempfile.mkdtemp(prefix=f"provision{n}-", dir=work))
+    fleet = simbench.bring_up(base, nodes, existing, gpu_passthrough={vmid: [] for vmid in existing})
+    try:
+        per_node = -(-n // nodes)
+        for i, vmid in enumerate(range(FIRST_VMID, FIRST_VMID + n)):
+            fleet.add_to_inventory(f"pve{i // per_node + 1}", vmid, proxmox_provision_gpus=[i % per_node],
+                                   **PROVISION_VARS)
+        new = ",".join(f"ct{v}" for v in range(FIRST_VMID, FIRST_VMID + n))
+        load_before = os.getloadavg()[0]
+        wall, res = simbench.timed_play(fleet, "provision.yml", "-l", new)
+        again, res_again = simbench.timed_play(fleet, "provision.yml", "-l", new)
+        return {"containers": n, "nodes": nodes, "provision_s": round(wall, 1), "again_s": round(again, 1),
+                "changed": sum(stats["changed"] for stats in res.stats.values()),
+                "changed_again": sum(stats["changed"] for stats in res_again.stats.values()),
+                "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    finally:
+        fleet.down()
+
+
+def print_provision_table(results: list[dict]) -> None:
+    head = (f"\n{'new containers':>14} {'nodes':>5} {'provision s':>11} {'x one':>6} {'changed':>7} "
+            f"{'again s':>8} {'changed':>7} {'load before/after':>17}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        r["ratio"] = round(r["provision_s"] / results[0]["provision_s"], 2)
+        load = "/".join(f"{x:.1f}" for x in r["loadavg_1min"])
+        print(f"{r['containers']:>14} {r['nodes']:>5} {r['provision_s']:>11.1f} {r['ratio']:>6.2f} "
+              f"{r['changed']:>7} {r['again_s']:>8.1f} {r['changed_again']:>7} {load:>17}")
+
+
 def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
     one = results[0]
     start_head = f" {'run start s':>11} {'w/o start s':>11} {'x one':>6}" if with_start else ""
@@ -249,6 +292,10 @@ def parse_args(argv):
     parser.add_argument("--no-probes", action="store_true", help="skip the connection-alone timings")
     parser.add_argument("--probe-repeats", type=int, default=3, help="repeats of each connection timing")
     parser.add_argument("--target", type=float, default=2.5, help="largest size's allowed ratio to the first")
+    parser.add_argument("--provision-sizes", type=int, nargs="+", default=[1, 8],
+                        help="numbers of new containers provision.yml creates, each in a fresh sim")
+    parser.add_argument("--no-provision", action="store_true", help="skip the provisioning measurement")
+    parser.add_argument("--no-deploy", action="store_true", help="skip the deploy measurement")
     parser.add_argument("--keep-json", type=Path, default=None,
                         help="write each play's task runs and recap (JSON) to this directory")
     return parser.parse_args(argv)
@@ -260,22 +307,28 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-fleet-"))
     started = time.monotonic()
     load_start = [round(x, 2) for x in os.getloadavg()]
-    results = []
+    results, provisioned = [], []
     try:
-        for n in sizes:
+        for n in [] if args.no_deploy else sizes:
             run = " with the run's start" if args.with_start else ""
             print(f"deploy.yml to {n} container(s){run} ...", flush=True)
             results.append(run_size(n, args, work, probes=not args.no_probes and n == sizes[-1]))
             print(f"  {results[-1]['deploy_s']} s", flush=True)
+        for n in [] if args.no_provision else sorted(set(args.provision_sizes)):
+            print(f"provision.yml creating {n} container(s) ...", flush=True)
+            provisioned.append(provision_size(n, args, work))
+            print(f"  {provisioned[-1]['provision_s']} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdict = print_tables(results, args.target, args.with_start)
+    verdict = print_tables(results, args.target, args.with_start) if results else {}
+    if provisioned:
+        print_provision_table(provisioned)
     print(json.dumps({
         "benchmark": "fleet", "cpus": os.cpu_count(), "loadavg_start": load_start,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": configured_forks(),
         "serial": args.serial or ("[1, '100%']" if args.with_start else "100%") + " (playbook default)",
         "run_started": args.with_start,
-        "sizes": results, **verdict,
+        "sizes": results, "provision": provisioned, **verdict,
         "total_s": round(time.monotonic() - started, 1),
     }))
     return 0

@@ -40,10 +40,10 @@ CATEGORIES = (
 )
 
 
-def bring_up(base: Path, nodes: int, containers) -> Fleet:
+def bring_up(base: Path, nodes: int, containers, **layout) -> Fleet:
     """A `Fleet` in `base`; on a failed start, whatever came up is taken down again."""
     try:
-        return Fleet(base, nodes=nodes, containers=tuple(containers))
+        return Fleet(base, nodes=nodes, containers=tuple(containers), **layout)
     except BaseException:
         down(base / "state")
         raise

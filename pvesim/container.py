@@ -25,6 +25,9 @@ from .host import PACKAGE_BIN, SimError
 
 GPU_NAME = "NVIDIA H200"
 GPU_MEMORY_MIB = 143771
+# The node's NVIDIA driver (what nvidia-smi reports as driver_version, and the version of the installer
+# `pvesim up` leaves on the node's storage).
+DRIVER_VERSION = "550.127.05"
 INIT_PATH = "/usr/sbin/pvesim-init"
 NVIDIA_SMI_PATH = "/usr/bin/nvidia-smi"
 NVIDIA_SMI_CONFIG = "/etc/pvesim/nvidia-smi.json"
@@ -44,7 +47,7 @@ def node_gpus(tag, node_name, count):
     for index in range(count):
         digest = hashlib.md5(f"{tag}/{node_name}/{index}".encode()).digest()
         gpus.append({"index": index, "uuid": f"GPU-{uuid.UUID(bytes=digest)}", "name": GPU_NAME,
-                     "memory_total": GPU_MEMORY_MIB})
+                     "memory_total": GPU_MEMORY_MIB, "driver_version": DRIVER_VERSION})
     return gpus
 
 
@@ -176,14 +179,38 @@ def _whiteout(delta, path):
         os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
-def write_lxc(node_files, tag, vmid, hostname, network="isolated"):
-    """Write the container's LXC config and the files of its own layer (what `pct create` makes)."""
+def nvidia_installer(version=DRIVER_VERSION):
+    """The stand-in for NVIDIA's `NVIDIA-Linux-x86_64-<version>.run` on the node's storage: run in a
+    container with --no-kernel-module it installs the user-space tools (here the simulated nvidia-smi,
+    which reads the node's driver state); without that flag it fails as the real one does in a container,
+    which cannot build or load a kernel module."""
+    tool = (PACKAGE_BIN / "nvidia-smi").read_text()
+    return f"""#!/bin/sh
+# NVIDIA Accelerated Graphics Driver for Linux-x86_64 {version} (pvesim: user-space tools only)
+case " $* " in
+  *" --no-kernel-module "*) ;;
+  *) echo "ERROR: Unable to load the kernel module 'nvidia.ko'. (pvesim: run with --no-kernel-module in a \
+container)" >&2; exit 1 ;;
+esac
+cat > /usr/bin/nvidia-smi <<'PVESIM_NVIDIA_SMI'
+{tool}PVESIM_NVIDIA_SMI
+chmod 0755 /usr/bin/nvidia-smi
+echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: {version}) is \
+now complete."
+"""
+
+
+def write_lxc(node_files, tag, vmid, hostname, network="isolated", driver_tools=True):
+    """Write the container's LXC config and the files of its own layer (what `pct create` makes).
+    `driver_tools`: the NVIDIA user-space tools are installed (a hand-built container of `pvesim up`);
+    a container `pct create` makes from a template has none until something installs them."""
     ct_dir = node_files.lxcpath / str(vmid)
     delta = ct_dir / "delta"
     delta.mkdir(parents=True, exist_ok=True)
     (ct_dir / "config").write_text(lxc_config(tag, vmid, delta, node_files.gpu_dir, hostname, network))
     _put(delta, INIT_PATH, (PACKAGE_BIN / "pvesim-init").read_bytes(), 0o755)
-    _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
+    if driver_tools:
+        _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
     _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(vmid).encode(), 0o644)
     _put(delta, "/etc/hostname", f"{hostname}\n".encode(), 0o644)
     _whiteout(delta, "/usr/sbin/pct")

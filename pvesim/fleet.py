@@ -30,7 +30,7 @@ from pathlib import Path
 import ansible_runner
 import yaml
 
-from .sim import down, up
+from .sim import container_hostvars, down, up
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -273,6 +273,16 @@ class Fleet:
         return run_playbook(playbook, self.inventory, *args, timeout=timeout, keep_dir=private,
                             extravars={"dflash_release_source_dir": str(self.src / "dflash")},
                             envvars={"DFLASH_SIM_ASSETS": str(self.assets)})
+
+    def add_to_inventory(self, node_name, vmid, **hostvars):
+        """Add container `vmid` of `node_name` to the fleet's inventory as ct<vmid> (whether the node has
+        it or not: what an operator does before provisioning a new one), with `hostvars` on top."""
+        text = self.inventory.read_text()
+        header, _, body = text.partition("---\n")
+        data = yaml.safe_load(body)
+        hosts = data["all"]["children"]["training_containers"]["hosts"]
+        hosts[f"ct{vmid}"] = {**container_hostvars(self.sim, node_name, vmid), **hostvars}
+        self.inventory.write_text(header + "---\n" + yaml.safe_dump(data, sort_keys=False, width=1000))
 
     @property
     def build_dir(self):

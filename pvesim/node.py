@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from . import procs
+from .container import DRIVER_VERSION, nvidia_installer
 from .host import PACKAGE_BIN, SimError, node_tools_dir
 
 SSHD = "/usr/sbin/sshd"
@@ -62,6 +63,12 @@ class NodeFiles:
         self.gpu_state = self.gpu_dir / "state.json"
         # Storage `local` (a dir storage): container templates under template/cache/.
         self.template_cache = self.root / "storage" / "local" / "template" / "cache"
+        # Other files on storage local (PVE's `snippets` content): the NVIDIA driver's installer.
+        self.snippets = self.root / "storage" / "local" / "snippets"
+        # The node's storages and their sizes (what pvesm status reports).
+        self.storage_config = self.root / "storage.json"
+        # The node's VMs (pvesim models only their configs: vmids are cluster-wide unique).
+        self.qemu_confdir = self.root / "pve" / "qemu-server"
         # What `pct create` and `pct destroy` run for the LXC side: this Python and package.
         self.provision = self.root / "provision.json"
 
@@ -82,12 +89,15 @@ class NodeFiles:
 
 # The template `pct create` finds on storage local (an empty stand-in: containers share the machine's root).
 TEMPLATE = "debian-12-standard_12.7-1_amd64.tar.zst"
+# Storage local's size: a dir storage on the node's root filesystem.
+STORAGE_LOCAL_GIB = 1024
 
 
 def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=None):
     """Create the node's directories, host key, sshd_config, node-side nvidia-smi and GPU state. A
     `node_user` logs in with the key of its own ~/.ssh/authorized_keys, as on a real node."""
-    for d in (files.lxcpath, files.pve_confdir, files.bin, files.gpu_dir, files.template_cache):
+    for d in (files.lxcpath, files.pve_confdir, files.qemu_confdir, files.bin, files.gpu_dir,
+              files.template_cache, files.snippets):
         d.mkdir(parents=True, exist_ok=True)
     for d in (files.bin, *files.bin.parents):
         if d == files.bin.parents[3]:  # /run/pvesim and above are not ours to change
@@ -119,8 +129,13 @@ SetEnv {setenv}
 Subsystem sftp internal-sftp
 LogLevel INFO
 {user_keys}""")
-    shutil.copyfile(PACKAGE_BIN / "nvidia-smi", files.bin / "nvidia-smi")
-    (files.bin / "nvidia-smi").chmod(0o755)
+    for tool, source in (("nvidia-smi", "nvidia-smi"), ("pvesm", "pvesm"), ("pvesh", "pvesm")):
+        shutil.copyfile(PACKAGE_BIN / source, files.bin / tool)
+        (files.bin / tool).chmod(0o755)
+    files.storage_config.write_text(json.dumps({"local": {"type": "dir", "total_gib": STORAGE_LOCAL_GIB}}))
+    installer = files.snippets / f"NVIDIA-Linux-x86_64-{DRIVER_VERSION}.run"
+    installer.write_text(nvidia_installer())
+    installer.chmod(0o755)
     files.gpu_state.write_text(gpu_state_json)
     # A user other than root runs the node's nvidia-smi through sudo (the sim's driver reads root's /proc).
     files.gpu_config.write_text(json.dumps({"state": str(files.gpu_state), "proc": "/proc", "as_root": True}))

@@ -11,7 +11,9 @@ def main(argv):
     action, state_dir, node_name, vmid, *rest = argv
     files = node.NodeFiles(state_dir, node_name)
     if action == "create":
-        container.write_lxc(files, host.sim_tag(files.state_dir.resolve()), int(vmid), rest[0])
+        # From a template: no NVIDIA user-space tools until something installs them in the container.
+        container.write_lxc(files, host.sim_tag(files.state_dir.resolve()), int(vmid), rest[0],
+                            driver_tools=False)
     elif action == "destroy":
         container.destroy(files, vmid)
     else:

@@ -89,8 +89,9 @@ class Sim:
         raise SimError(f"no node {name!r} in the sim at {self.state_dir}")
 
     def node_of(self, vmid):
+        """The node of a container of the sim's layout, or of one `pct create` made since."""
         for n in self.nodes:
-            if vmid in n.containers:
+            if vmid in n.containers or (_node_files(self, n.name).pve_confdir / f"{vmid}.conf").exists():
                 return n
         raise SimError(f"no container {vmid} in the sim at {self.state_dir}")
 
@@ -146,6 +147,19 @@ class Sim:
         files.hidden_list.write_text("".join(f"{p}\n" for p in paths))
         self.stop_node(name)
         self.start_node(name)
+
+    def add_vm(self, node_name, vmid, name=None):
+        """A VM on a node: its config only (pvesim runs no VMs), enough to take its vmid cluster-wide."""
+        files = _node_files(self, node_name)
+        files.qemu_confdir.mkdir(parents=True, exist_ok=True)
+        (files.qemu_confdir / f"{vmid}.conf").write_text(f"memory: 2048\nname: {name or f'vm{vmid}'}\n")
+
+    def set_storage_size(self, node_name, total_gib, storage="local"):
+        """Resize a storage of a node (what pvesm status reports as its total)."""
+        files = _node_files(self, node_name)
+        config = json.loads(files.storage_config.read_text())
+        config[storage]["total_gib"] = total_gib
+        files.storage_config.write_text(json.dumps(config))
 
     def host_key_lines(self):
         """The known_hosts line of each node's current host key."""
@@ -376,6 +390,22 @@ def _ensure_running(sim):
                     raise SimError(f"container {vmid} on {n.name} did not start: {res.stderr.strip()}")
 
 
+def container_hostvars(sim, node_name, vmid):
+    """The inventory entry of a container on a node of the sim (also one the sim does not have yet,
+    for a provisioning playbook to create)."""
+    n = sim.node(node_name)
+    return {
+        "ansible_connection": CONNECTION,
+        "ansible_host": n.address, "ansible_port": n.port, "ansible_user": sim.node_user or "root",
+        "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
+        "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
+        # A container's root is an overlay over the controller's /: the site-packages of the
+        # Python that brought the sim up (the project's venv) are visible inside.
+        "pvesim_site_packages": sysconfig.get_paths()["purelib"],
+        **({"pvesim_address": sim.address_of(vmid)} if sim.network == "loopback" else {}),
+    }
+
+
 def inventory_data(sim):
     ssh_args = f"-o UserKnownHostsFile={sim.known_hosts} -o StrictHostKeyChecking=yes"
     node_hosts, container_hosts = {}, {}
@@ -389,17 +419,7 @@ def inventory_data(sim):
             "ansible_python_interpreter": NODE_PYTHON,
         }
         for vmid in n.containers:
-            container_hosts[f"ct{vmid}"] = {
-                "ansible_connection": CONNECTION,
-                "ansible_host": n.address, "ansible_port": n.port, "ansible_user": user,
-                "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
-                "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
-                # A container's root is an overlay over the controller's /: the site-packages of the
-                # Python that brought the sim up (the project's venv) are visible inside.
-                "pvesim_site_packages": sysconfig.get_paths()["purelib"],
-            }
-            if sim.network == "loopback":
-                container_hosts[f"ct{vmid}"]["pvesim_address"] = sim.address_of(vmid)
+            container_hosts[f"ct{vmid}"] = container_hostvars(sim, n.name, vmid)
     return {"all": {"children": {"proxmox_hosts": {"hosts": node_hosts},
                                  "training_containers": {"hosts": container_hosts}}}}
 

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from module_runner import ansible_module, run_module
 
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, pct_cannot_run
 from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
-    Answer,
     gpu_count,
     gpu_passthrough_lines,
     node_containers,
-    pct_cannot_run,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, pct_cannot_run
 from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
-    Answer,
     Pct,
     gpu_holders,
     gpu_passthrough_lines,
     gpu_uuids,
     passed_devices,
     passthrough_problem,
-    pct_cannot_run,
     shared_gpu_message,
     status_failure_message,
 )

@@ -62,6 +62,9 @@ def test_create_set_list_and_destroy(lone):
     again = lone.ssh("pve1", f"pct create 401 {template}")
     assert again.returncode == 255 and "CT 401 already exists on node 'pve1'" in again.stderr
     assert "bogus" in lone.ssh("pve1", "pct create 402 local:vztmpl/bogus.tar.zst").stderr
+    lone.add_vm("pve1", 450)  # vmids are cluster-wide: a VM's is taken for containers too
+    taken = lone.ssh("pve1", f"pct create 450 {template}")
+    assert (taken.returncode, taken.stderr) == (255, "VM 450 already exists on node 'pve1'\n")
     assert lone.ssh("pve1", "pct set 401 --hostname trainer --dev0 /dev/nvidia1").returncode == 0
     assert lone.ssh("pve1", "pct start 401").returncode == 0
     assert lone.ssh("pve1", in_ct(401, "hostname")).stdout.strip() == "CT401"  # named at create

@@ -131,15 +131,17 @@ def kill_in_container(pids: list[int]) -> list[int]:
     return killed
 
 
-def kill_deploy_when(fleet, due, log: Path, delay: float | None = None, poll_s=0.01) -> KilledDeploy:
-    """Run deploy.yml in its own process group and SIGKILL the whole group as soon as `due(elapsed
-    seconds)` is true (checked every `poll_s`); a deploy that ends first is reported not killed."""
+def kill_deploy_when(fleet, due, log: Path, delay: float | None = None, poll_s=0.01,
+                     argv: list[str] | None = None) -> KilledDeploy:
+    """Run deploy.yml (or `argv`, another playbook run) in its own process group and SIGKILL the whole
+    group as soon as `due(elapsed seconds)` is true (checked every `poll_s`); a run that ends first is
+    reported not killed."""
     env = {**ansible_env(DFLASH_SIM_ASSETS=str(fleet.assets)),
            "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(argv or deploy_argv(fleet), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, stdin=subprocess.DEVNULL, start_new_session=True)
         killed = False
         while proc.poll() is None and not due(time.monotonic() - started):
             time.sleep(poll_s)

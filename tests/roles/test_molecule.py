@@ -9,7 +9,7 @@ from pvesim.fleet import REPO, VENV_BIN, ansible_env, prepare_assets
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 ROLES_DIR = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
-ROLES = ["proxmox_host", "dflash_env", "dflash_release", "dflash_run"]
+ROLES = ["proxmox_host", "proxmox_provision", "dflash_env", "dflash_release", "dflash_run"]
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -36,27 +36,13 @@ version_added: "0.1.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
+  - dflash.ops.pct
 attributes:
   check_mode:
     support: full
     details: Reads the same in check mode; a stopped container that would be started is reported as
       started (changed) but not started, and its GPUs are then not checked.
 options:
-  vmid:
-    description: The container's CT id.
-    type: int
-    required: true
-  node_name:
-    description: The node's name in messages (the inventory name). Default the machine's host name.
-    type: str
-  pct_argv:
-    description:
-      - The command that runs pct, as an argv prefix; its last element is pct's path, named in
-        messages.
-      - A non-root node user runs pct through sudo, for example V([sudo, -n, /usr/sbin/pct]).
-    type: list
-    elements: str
-    default: [/usr/sbin/pct]
   start_stopped:
     description: Start the container with C(pct start) when it is stopped, instead of failing.
     type: bool
@@ -139,26 +125,28 @@ import re
 import shutil
 import socket
 import subprocess
-from collections import namedtuple
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_of_pid
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
+    CANNOT_RUN_CODES,
+    PCT_ARGUMENTS,
+    READ_TIMEOUT,
+    START_TIMEOUT,
+    CheckFailed,
+    Pct,
+    gpu_passthrough_lines,
+    passed_devices,
+    said,
+)
 
 ARGUMENT_SPEC = dict(
-    vmid=dict(type="int", required=True),
-    node_name=dict(type="str"),
-    pct_argv=dict(type="list", elements="str", default=["/usr/sbin/pct"]),
+    **PCT_ARGUMENTS,
     start_stopped=dict(type="bool", default=False),
     require_gpu_passthrough=dict(type="bool", default=False),
     required_gpus=dict(type="list", elements="int", default=[]),
 )
-# Config lines that pass a GPU through: cgroup device rules for the NVIDIA majors, bind mounts, devN
-# entries (`devN: /dev/nvidia0` or `devN: path=/dev/nvidia0,mode=0666`); pct config prints `lxc.key: value`.
-GPU_LINE = re.compile(r"^(lxc\.cgroup2?\.devices\.allow\s*[:=]\s*c\s+(195|50[0-9]|23[0-9]):"
-                      r"|lxc\.mount\.entry\s*[:=]\s*/dev/nvidia|dev\d+:\s*(?:[^,\s]*,)*?(?:path=)?/dev/nvidia)")
-DEVICE_OF_LINE = re.compile(r"(?:^dev\d+:\s*(?:[^,]*,)*?(?:path=)?|^lxc\.mount\.entry\s*[:=]\s*)"
-                            r"(/dev/nvidia[^\s,]*)")
 GPU_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")
 # What CUDA needs besides the GPUs: the driver's control device and the unified memory device.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
@@ -168,38 +156,8 @@ NVIDIA_SMI_ARGV = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheade
 NODE_APPS_ARGV = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
                   "--format=csv,noheader,nounits"]
 GPU_INDEX_LINE = re.compile(r"^\s*([0-9]+)\s*(?:,\s*(\S+))?\s*$")
-# What a shell or sudo answers for a command it cannot run.
-CANNOT_RUN_CODES = (126, 127)
-READ_TIMEOUT = 60
-START_TIMEOUT = 300
-
-# rc is None when the program could not be executed at all (stderr then says why).
-Answer = namedtuple("Answer", "rc stdout stderr")
-
-
-class CheckFailed(Exception):
-    """A failed check: the message is what the user sees."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Judging (pure)
-
-
-def said(answer):
-    """What pct said about a failure: its stderr, else its stdout, trimmed."""
-    return answer.stderr.strip() or answer.stdout.strip()
-
-
-def pct_cannot_run(answer, pct_path):
-    """pct answers as a missing command does: it could not be executed, a shell's 126/127, or sudo's
-    or a shell's 'not found' for pct's own path. A "No such file or directory" pct itself prints (a
-    device a container's config names, say) is pct's answer, not a missing pct."""
-    if answer.rc is None or answer.rc in CANNOT_RUN_CODES:
-        return True
-    path = re.escape(pct_path)
-    missing = re.compile(rf"^(sudo: )?(\S+: )?{path}: (command not found|not found|No such file or "
-                         "directory)", re.MULTILINE)
-    return answer.rc != 0 and bool(missing.search(said(answer)))
 
 
 def status_failure_message(pct, vmid, status, containers):
@@ -224,20 +182,6 @@ def node_containers(list_output):
     """The CT ids of `pct list` (a header line, then one container a line)."""
     rows = [line.split() for line in list_output.splitlines()[1:]]
     return [row[0] for row in rows if row]
-
-
-def gpu_passthrough_lines(config_output):
-    return [line for line in config_output.splitlines() if GPU_LINE.search(line)]
-
-
-def passed_devices(lines):
-    """The /dev/nvidia* device nodes the passthrough lines name, in config order, once each."""
-    devices = []
-    for line in lines:
-        match = DEVICE_OF_LINE.search(line)
-        if match and match.group(1) not in devices:
-            devices.append(match.group(1))
-    return devices
 
 
 def passthrough_problem(vmid, node, devices):
@@ -280,16 +224,11 @@ def gpu_holders(apps_output, uuids, required_gpus, vmid, vmid_of_pid):
 def shared_gpu_message(vmid, node, holders):
     held = "; ".join(f"GPU {index} ({uuid}) by {'CT ' + str(owner) if owner else 'the node itself'} "
                      f"(pid {pid}, {mib} MiB)" for index, uuid, owner, pid, mib in holders)
-    others = sorted({owner for _, _, owner, _, _ in holders if owner})
+    others = sorted({holder[2] for holder in holders if holder[2]})
     return (f"CT {vmid} on node {node}: GPUs of the run's layout are in use outside this container: {held}. "
             "Two containers are given the same GPU: stop what runs there"
             + (f" (CT {', '.join(map(str, others))})" if others else "")
             + f", or pass other GPUs through to CT {vmid} (pct config {vmid}).")
-
-
-def pct_missing_message(pct_path, node, answer):
-    return (f"{pct_path} is missing on node {node} or cannot be run there ({said(answer)}). Is it a "
-            f"Proxmox VE node, and is the inventory's ansible_host of {node} its address?")
 
 
 def missing_container_message(vmid, node, status, containers):
@@ -332,48 +271,6 @@ def nvidia_smi_problem(vmid, node, answer, required_gpus):
                 "(dflash_release_target_gpus, dflash_release_drafter_gpus, dflash_run_gpus) or pass more "
                 "GPUs through to the container.")
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Running pct
-
-
-class Pct:
-    """pct on this node through its argv prefix; a pct that cannot be run fails every call."""
-
-    def __init__(self, argv, node):
-        self.argv = list(argv)
-        self.path = self.argv[-1]
-        self.node = node
-
-    def answer(self, args, timeout=READ_TIMEOUT):
-        argv = self.argv + [str(arg) for arg in args]
-        try:
-            proc = subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace", check=False,
-                                  timeout=timeout, stdin=subprocess.DEVNULL, env=dict(os.environ, LC_ALL="C"))
-        except subprocess.TimeoutExpired:
-            raise CheckFailed(f"{' '.join(argv)} did not answer within {timeout} s on node {self.node}"
-                              ) from None
-        except OSError as exc:
-            return Answer(None, "", f"{argv[0]}: {exc.strerror}")
-        return Answer(proc.returncode, proc.stdout, proc.stderr)
-
-    def __call__(self, *args, timeout=READ_TIMEOUT):
-        """pct's answer; fails when pct cannot be run at all. Through `pct exec`, an exit 126 or 127
-        and a "not found" are the container command's, not pct's."""
-        answer = self.answer(args, timeout)
-        cannot_run = answer.rc is None if args[0] == "exec" else pct_cannot_run(answer, self.path)
-        if cannot_run:
-            raise CheckFailed(pct_missing_message(self.path, self.node, answer))
-        return answer
-
-    def must(self, *args, timeout=READ_TIMEOUT):
-        """stdout of a pct command that has to succeed."""
-        answer = self(*args, timeout=timeout)
-        if answer.rc != 0:
-            raise CheckFailed(f"pct {' '.join(map(str, args))} failed on node {self.node} "
-                              f"(exit {answer.rc}): {said(answer)}")
-        return answer.stdout
 
 
 def check(pct, params, check_mode, result, vmid_of_pid=vmid_of_pid):

@@ -1,0 +1,561 @@
+#!/usr/bin/python
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Ansible modules keep their imports below the documentation blocks.
+# ruff: noqa: E402
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: proxmox_container
+short_description: Create a training container on its Proxmox VE node with its GPUs passed through
+description:
+  - Runs on the Proxmox VE node. Reads the container with C(pct status) and C(pct config), computes
+    the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
+    networks, and a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device),
+    and compares the two.
+  - A container that does not exist is created with C(pct create) from O(template) and started. Before
+    anything is created it checks that the template is on the node's storage (C(pvesm path)), that
+    the node has every GPU of O(gpus) (its C(nvidia-smi), by minor number), that no other container of
+    the node has one of them passed through (unless O(allow_shared_gpus)), that the vmid is not taken
+    by a VM or a container anywhere in the cluster (C(pvesh get /cluster/resources)), and that the root
+    disk's storage has room for it (C(pvesm status)). A container whose start fails is destroyed again.
+  - An existing container whose config differs is reported with the differences and left alone,
+    unless O(reconcile) is set; then only the differing keys change (C(pct set)), and only when
+    O(run_live) is false. A changed GPU passthrough takes effect by restarting the container.
+    The root disk and C(unprivileged) are never changed (C(pct resize) and a new container do that).
+  - V(absent) destroys the container, only when O(run_live) is false.
+  - The node's C(pvesm) and C(pvesh) run with the prefix of O(pct_argv) (through sudo when pct is), its
+    C(nvidia-smi) without sudo.
+version_added: "0.1.0"
+author: dflash-ops contributors (@dflash-ops)
+extends_documentation_fragment:
+  - dflash.ops.attributes
+  - dflash.ops.pct
+attributes:
+  check_mode:
+    support: full
+    details: Reads and checks the same in check mode, and reports what it would create, change or destroy.
+  diff_mode:
+    support: full
+    details: >-
+      The container's config before and after, one C(key: value) line each, as C(pct config) prints it.
+options:
+  state:
+    description: V(present) creates or checks the container; V(absent) destroys it.
+    type: str
+    choices: [present, absent]
+    default: present
+  template:
+    description: The template's volume on the node's storage, e.g.
+      V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst). Required with O(state=present).
+    type: str
+  hostname:
+    description: The container's hostname.
+    type: str
+  cores:
+    description: CPU cores.
+    type: int
+    default: 2
+  memory:
+    description: Memory in MiB.
+    type: int
+    default: 8192
+  swap:
+    description: Swap in MiB.
+    type: int
+    default: 0
+  rootfs_storage:
+    description: The storage of the root disk.
+    type: str
+    default: local
+  rootfs_size:
+    description: Size of the root disk in GiB.
+    type: int
+    default: 32
+  unprivileged:
+    description: An unprivileged container (its root is an unprivileged user on the node).
+    type: bool
+    default: true
+  onboot:
+    description: Start the container when the node boots.
+    type: bool
+    default: false
+  networks:
+    description: >-
+      The container's network interfaces, C(netN) to its value, e.g.
+      V({net0: "name=eth0,bridge=vmbr0,ip=dhcp"}). Only the properties given are compared.
+    type: dict
+    default: {}
+  gpus:
+    description: The node's GPUs to pass through, by the N of C(/dev/nvidiaN) (nvidia-smi's minor number).
+    type: list
+    elements: int
+    default: []
+  control_devices:
+    description: The devices CUDA needs besides the GPUs, passed through with them (when O(gpus) is not
+      empty). The node must have each; a missing one fails the start, and the new container is removed.
+    type: list
+    elements: str
+    default: [/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools]
+  device_gid:
+    description: In an unprivileged container, the group (its gid in the container) that owns the
+      passed-through device nodes; V(44) is Debian's C(video) group.
+    type: int
+    default: 44
+  allow_shared_gpus:
+    description: Pass a GPU through that another container of the node already has.
+    type: bool
+    default: false
+  reconcile:
+    description: Change the keys of an existing container's config that differ (else only report them).
+    type: bool
+    default: false
+  run_live:
+    description: A training run is live in the container (the caller read its pidfile); a reconcile or
+      a destroy is then refused.
+    type: bool
+    default: false
+  start:
+    description: Start the container when it is stopped.
+    type: bool
+    default: true
+"""
+
+EXAMPLES = r"""
+- name: Ensure CT 204 exists on its node with GPUs 4 to 7.
+  dflash.ops.proxmox_container:
+    vmid: 204
+    node_name: pve1
+    template: local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst
+    hostname: ct204
+    cores: 16
+    memory: 262144
+    rootfs_size: 200
+    networks:
+      net0: name=eth0,bridge=vmbr0,ip=dhcp
+    gpus: [4, 5, 6, 7]
+  delegate_to: pve1
+"""
+
+RETURN = r"""
+exists:
+  description: Whether the container existed before.
+  returned: always
+  type: bool
+status:
+  description: The container's status before the module acted (V(running), V(stopped)); null when it did
+    not exist.
+  returned: always
+  type: str
+started:
+  description: Whether an existing, stopped container was started (in check mode, would be).
+  returned: always
+  type: bool
+created:
+  description: Whether the container was created (in check mode, would be).
+  returned: always
+  type: bool
+destroyed:
+  description: Whether the container was destroyed (in check mode, would be).
+  returned: always
+  type: bool
+differences:
+  description: The keys of an existing container's config that differ from the options; C(applied)
+    is false for those left alone (not reconciled, or never changed by pct set).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{key: cores, have: "2", want: "8", applied: false}]
+config:
+  description: The container's config, key to value (what it would be, in check mode).
+  returned: when O(state=present)
+  type: dict
+gpu_uuids:
+  description: The UUIDs of the GPUs of O(gpus), in the order the container numbers them (0, 1, ...).
+  returned: always
+  type: list
+  elements: str
+driver_version:
+  description: The node's NVIDIA driver version (null without GPUs on the node).
+  returned: always
+  type: str
+  sample: 550.127.05
+"""
+
+import json
+import os
+import re
+import socket
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
+    PCT_ARGUMENTS,
+    START_TIMEOUT,
+    CheckFailed,
+    Pct,
+    gpu_passthrough_lines,
+    passed_devices,
+    said,
+)
+
+ARGUMENT_SPEC = dict(
+    **PCT_ARGUMENTS,
+    state=dict(type="str", choices=["present", "absent"], default="present"),
+    template=dict(type="str"),
+    hostname=dict(type="str"),
+    cores=dict(type="int", default=2),
+    memory=dict(type="int", default=8192),
+    swap=dict(type="int", default=0),
+    rootfs_storage=dict(type="str", default="local"),
+    rootfs_size=dict(type="int", default=32),
+    unprivileged=dict(type="bool", default=True),
+    onboot=dict(type="bool", default=False),
+    networks=dict(type="dict", default={}),
+    gpus=dict(type="list", elements="int", default=[]),
+    control_devices=dict(type="list", elements="str",
+                         default=["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]),
+    device_gid=dict(type="int", default=44),
+    allow_shared_gpus=dict(type="bool", default=False),
+    reconcile=dict(type="bool", default=False),
+    run_live=dict(type="bool", default=False),
+    start=dict(type="bool", default=True),
+)
+NODE_GPUS_ARGS = ["--query-gpu=index,uuid,minor_number,driver_version", "--format=csv,noheader,nounits"]
+# Keys pct set cannot change on an existing container (API2/LXC/Config.pm: unprivileged is fixed at
+# create; a root disk grows with pct resize).
+FIXED_KEYS = ("rootfs", "unprivileged")
+KIB_PER_GIB = 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# The wanted config and its comparison (pure)
+
+
+def device_values(gpus, control_devices, unprivileged, gid):
+    """The devN values, GPUs first in node order: `/dev/nvidiaN`, owned in an unprivileged container by
+    the group `gid` (pve-container's devN `gid=`; a privileged container keeps the node's owner)."""
+    paths = [f"/dev/nvidia{minor}" for minor in sorted(gpus)] + (list(control_devices) if gpus else [])
+    return [f"{path},gid={gid}" if unprivileged else path for path in paths]
+
+
+def wanted_config(params):
+    """key -> value as pct config prints it (the root disk as `storage:GiB`, what pct create takes)."""
+    wanted = {
+        "hostname": params["hostname"] or f"CT{params['vmid']}",
+        "cores": str(params["cores"]),
+        "memory": str(params["memory"]),
+        "swap": str(params["swap"]),
+        "rootfs": f"{params['rootfs_storage']}:{params['rootfs_size']}",
+        "unprivileged": "1" if params["unprivileged"] else "0",
+        "onboot": "1" if params["onboot"] else "0",
+    }
+    wanted.update({key: str(value) for key, value in sorted(params["networks"].items())})
+    values = device_values(params["gpus"], params["control_devices"], params["unprivileged"],
+                           params["device_gid"])
+    wanted.update({f"dev{i}": value for i, value in enumerate(values)})
+    return wanted
+
+
+def parse_config(text):
+    """The options of `pct config` (key: value), lxc.* entries and the description left out."""
+    options = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and re.fullmatch(r"[a-z][a-z_\-]*[0-9]*", key):
+            options[key] = value.strip()
+    return options
+
+
+def properties(value, default_key=None):
+    """A property string (`/dev/nvidia0,gid=44` or `name=eth0,bridge=vmbr0`) as a dict."""
+    props = {}
+    for part in filter(None, value.split(",")):
+        key, eq, val = part.partition("=")
+        if eq:
+            props[key] = val
+        elif default_key:
+            props[default_key] = part
+    return props
+
+
+def same(key, have, want):
+    if have is None:
+        return False
+    if key == "rootfs":  # `local:204/vm-204-disk-0.raw,size=32G` is `local:32`
+        storage, size = want.split(":", 1)
+        return have.split(":")[0] == storage and properties(have).get("size") == f"{size}G"
+    if re.fullmatch(r"(dev|net)[0-9]+", key):  # the properties the inventory gives, whatever else is set
+        default = "path" if key.startswith("dev") else None
+        have_props = properties(have, default)
+        return all(have_props.get(k) == v for k, v in properties(want, default).items())
+    if key in ("unprivileged", "onboot"):
+        return (have or "0") == want
+    return have == want
+
+
+def config_differences(wanted, actual):
+    """[{key, have, want}] for every key that differs; a devN passing an NVIDIA device through that the
+    options do not have is to be deleted (want None)."""
+    diffs = [{"key": key, "have": actual.get(key), "want": value} for key, value in wanted.items()
+             if not same(key, actual.get(key), value)]
+    for key in sorted(actual):
+        extra_device = key not in wanted and passed_devices([f"{key}: {actual[key]}"])
+        if re.fullmatch(r"dev[0-9]+", key) and extra_device:
+            diffs.append({"key": key, "have": actual[key], "want": None})
+    return diffs
+
+
+def config_text(options):
+    return "".join(f"{key}: {options[key]}\n" for key in sorted(options))
+
+
+def applied(actual, diffs):
+    after = dict(actual)
+    for d in diffs:
+        if d["want"] is None:
+            after.pop(d["key"], None)
+        else:
+            after[d["key"]] = d["want"]
+    return after
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the node
+
+
+def node_gpus(pct):
+    """[{index, uuid, minor, driver}] of the node's nvidia-smi; [] when the node has none."""
+    answer = pct.tool("nvidia-smi", *NODE_GPUS_ARGS, as_root=False)
+    if answer.rc is None or answer.rc in (126, 127):
+        return []
+    if answer.rc != 0:
+        raise CheckFailed(f"nvidia-smi fails on node {pct.node} (exit {answer.rc}): {said(answer)}. "
+                          "Check the NVIDIA driver on the node before passing its GPUs through.")
+    gpus = []
+    for line in answer.stdout.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 4 and fields[0].isdigit() and fields[2].isdigit():
+            gpus.append({"index": int(fields[0]), "uuid": fields[1], "minor": int(fields[2]),
+                         "driver": fields[3]})
+    return gpus
+
+
+def check_gpus_exist(pct, vmid, wanted, gpus):
+    minors = sorted(g["minor"] for g in gpus)
+    missing = sorted(set(wanted) - set(minors))
+    if missing:
+        have = ", ".join(f"/dev/nvidia{m}" for m in minors) or "no NVIDIA GPU (nvidia-smi lists none)"
+        raise CheckFailed(f"CT {vmid}: node {pct.node} has no GPU {', '.join(map(str, missing))} "
+                          f"(/dev/nvidia{missing[0]}); it has {have}. Fix proxmox_provision_gpus (the N of "
+                          "/dev/nvidiaN, as nvidia-smi --query-gpu=minor_number lists them on the node).")
+
+
+def check_template(pct, vmid, template):
+    answer = pct.tool("pvesm", "path", template)
+    path = answer.stdout.strip()
+    if answer.rc != 0 or not os.path.isfile(path):
+        where = f" ({path})" if answer.rc == 0 else f": {said(answer)}"
+        folder = os.path.dirname(path) if answer.rc == 0 else ""
+        found = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
+        have = ", ".join(found) or "no templates there"
+        raise CheckFailed(f"CT {vmid}: the template {template} is not on node {pct.node}{where}. Download "
+                          f"it there (pveam download {template.split(':')[0]} {template.rpartition('/')[2]}) "
+                          f"or fix proxmox_provision_template; the node has {have}.")
+
+
+def check_vmid_free(pct, vmid, hostname):
+    """vmids are unique across the cluster, VMs and containers alike (pve-cluster's check_vmid_unused)."""
+    answer = pct.tool("pvesh", "get", "/cluster/resources", "--type", "vm", "--output-format", "json")
+    if answer.rc != 0:
+        return  # no pvesh to ask: pct create refuses a taken vmid itself, before creating anything
+    try:
+        guests = json.loads(answer.stdout)
+    except ValueError:
+        return
+    for guest in guests:
+        if guest.get("vmid") == vmid:
+            label = "VM" if guest.get("type") == "qemu" else "CT"
+            raise CheckFailed(f"vmid {vmid} of {hostname} is taken: {label} {vmid} ({guest.get('name')}) "
+                              f"exists on node {guest.get('node')}. vmids are unique across a Proxmox VE "
+                              "cluster: choose a free proxmox_vmid for it.")
+
+
+def gpu_holders(pct, vmid, devices):
+    """{device: [CT ids]} of the node's other containers that pass one of `devices` through."""
+    listing = pct.must("list")
+    holders = {}
+    for row in (line.split() for line in listing.splitlines()[1:]):
+        if not row or not row[0].isdigit() or int(row[0]) == vmid:
+            continue
+        config = pct("config", row[0])
+        for device in passed_devices(gpu_passthrough_lines(config.stdout)) if config.rc == 0 else []:
+            if device in devices:
+                holders.setdefault(device, []).append(int(row[0]))
+    return holders
+
+
+def check_gpus_free(pct, vmid, gpus):
+    devices = [f"/dev/nvidia{minor}" for minor in sorted(gpus)]
+    holders = gpu_holders(pct, vmid, devices) if devices else {}
+    if holders:
+        held = "; ".join(f"{dev} by CT {', '.join(map(str, cts))}" for dev, cts in sorted(holders.items()))
+        raise CheckFailed(f"CT {vmid}: GPUs of node {pct.node} are already passed through to another "
+                          f"container: {held}. Choose other GPUs (proxmox_provision_gpus), or set "
+                          "proxmox_provision_allow_shared_gpus: true to share them.")
+
+
+def check_room(pct, vmid, storage, size_gib):
+    answer = pct.tool("pvesm", "status", "--storage", storage)
+    rows = [line.split() for line in answer.stdout.splitlines()[1:]] if answer.rc == 0 else []
+    row = next((r for r in rows if r and r[0] == storage), None)
+    if row is None or len(row) < 6 or not row[5].isdigit():
+        raise CheckFailed(f"CT {vmid}: storage {storage} is not usable on node {pct.node} (pvesm status: "
+                          f"{said(answer) or 'no such storage'}). Fix proxmox_provision_rootfs_storage.")
+    available = int(row[5])
+    if available < size_gib * KIB_PER_GIB:
+        raise CheckFailed(f"CT {vmid}: storage {storage} on node {pct.node} has "
+                          f"{available / KIB_PER_GIB:.1f} GiB available (pvesm status), its root disk needs "
+                          f"{size_gib} GiB. Free space there, or choose another "
+                          "proxmox_provision_rootfs_storage or a smaller proxmox_provision_rootfs_size.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Changing the node
+
+
+def options_argv(options):
+    args = []
+    for key, value in options.items():
+        args += [f"--{key}", value]
+    return args
+
+
+def create(pct, vmid, template, wanted, start):
+    """pct create, then pct start; a container whose start fails is destroyed again (nothing half-made)."""
+    created = pct("create", vmid, template, *options_argv(wanted), timeout=START_TIMEOUT)
+    if created.rc != 0:
+        raise CheckFailed(f"pct create {vmid} failed on node {pct.node} (exit {created.rc}): {said(created)}")
+    if start:
+        started = pct("start", vmid, timeout=START_TIMEOUT)
+        if started.rc != 0:
+            removed = pct("destroy", vmid, timeout=START_TIMEOUT)
+            undo = ("it was destroyed again" if removed.rc == 0
+                    else f"destroying it failed too: {said(removed)}")
+            raise CheckFailed(f"CT {vmid} was created on node {pct.node} but did not start (pct start "
+                              f"{vmid}, exit {started.rc}): {said(started)}; {undo}. A device it passes "
+                              f"through may be missing on {pct.node} (proxmox_provision_control_devices, "
+                              "proxmox_provision_gpus).")
+
+
+def reconcile(pct, vmid, diffs, running):
+    sets = {d["key"]: d["want"] for d in diffs if d["want"] is not None}
+    deletes = [d["key"] for d in diffs if d["want"] is None]
+    args = options_argv(sets) + (["--delete", ",".join(deletes)] if deletes else [])
+    pct.must("set", vmid, *args)
+    if running and any(k.startswith("dev") for k in [*sets, *deletes]):
+        # The passthrough of a running container changes at its next start (no live run: checked).
+        pct.must("stop", vmid, timeout=START_TIMEOUT)
+        pct.must("start", vmid, timeout=START_TIMEOUT)
+
+
+def provision(pct, p, check_mode, result):
+    vmid, node = p["vmid"], pct.node
+    status = pct("status", vmid)
+    words = said(status)
+    if status.rc != 0 and not ("Configuration file" in words and "does not exist" in words):
+        raise CheckFailed(f"pct status {vmid} failed on node {node} (exit {status.rc}): {words}")
+    exists = result["exists"] = status.rc == 0
+    running = exists and "status: running" in status.stdout
+    result["status"] = ("running" if running else "stopped") if exists else None
+    before = parse_config(pct.must("config", vmid)) if exists else {}
+    if p["state"] == "absent":
+        if exists:
+            if p["run_live"]:
+                raise CheckFailed(f"CT {vmid} on node {node} has a live training run: it is not destroyed. "
+                                  "Stop the run first (playbooks/stop_training.yml).")
+            if not check_mode:
+                if running:
+                    pct.must("stop", vmid, timeout=START_TIMEOUT)
+                pct.must("destroy", vmid, timeout=START_TIMEOUT)
+            result.update(changed=True, destroyed=True, diff=dict(before=config_text(before), after=""))
+        return
+
+    gpus = node_gpus(pct) if p["gpus"] else []
+    check_gpus_exist(pct, vmid, p["gpus"], gpus)
+    by_minor = {g["minor"]: g for g in gpus}
+    result["gpu_uuids"] = [by_minor[m]["uuid"] for m in sorted(p["gpus"], key=lambda m: by_minor[m]["index"])]
+    result["driver_version"] = gpus[0]["driver"] if gpus else None
+    wanted = wanted_config(p)
+    if not exists:
+        check_template(pct, vmid, p["template"])
+        check_vmid_free(pct, vmid, wanted["hostname"])
+        if not p["allow_shared_gpus"]:
+            check_gpus_free(pct, vmid, p["gpus"])
+        check_room(pct, vmid, p["rootfs_storage"], p["rootfs_size"])
+        if not check_mode:
+            create(pct, vmid, p["template"], wanted, p["start"])
+        result.update(changed=True, created=True, config=wanted,
+                      diff=dict(before="", after=config_text(wanted)))
+        return
+
+    diffs = config_differences(wanted, before)
+    settable = [d for d in diffs if d["key"] not in FIXED_KEYS]
+    for d in diffs:
+        d["applied"] = p["reconcile"] and d in settable
+    result["differences"] = diffs
+    after = before
+    if settable and p["reconcile"]:
+        if p["run_live"]:
+            raise CheckFailed(f"CT {vmid} on node {node} differs from the inventory "
+                              f"({difference_text(settable)}) but has a live training run: nothing "
+                              "was changed. Stop the run first (playbooks/stop_training.yml), then provision "
+                              "again.")
+        new = [d["want"].split(",")[0] for d in settable if d["key"].startswith("dev") and d["want"]]
+        if not p["allow_shared_gpus"]:
+            check_gpus_free(pct, vmid, [int(path[len("/dev/nvidia"):]) for path in new
+                                        if re.fullmatch(r"/dev/nvidia[0-9]+", path)])
+        if not check_mode:
+            reconcile(pct, vmid, settable, running)
+        after = applied(before, settable)
+        result["changed"] = True
+    result["config"] = after
+    result["diff"] = dict(before=config_text(before), after=config_text(after))
+    if not running and p["start"]:
+        if not check_mode:
+            pct.must("start", vmid, timeout=START_TIMEOUT)
+        result["changed"] = result["started"] = True
+
+
+def difference_text(diffs):
+    return "; ".join(f"{d['key']}: {d['have'] or '(unset)'} -> {d['want'] or '(removed)'}" for d in diffs)
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True,
+                           required_if=[("state", "present", ["template"])])
+    p = module.params
+    if not p["pct_argv"]:
+        module.fail_json(msg="pct_argv is empty: name the command that runs pct, e.g. [/usr/sbin/pct]")
+    if any(gpu < 0 for gpu in p["gpus"]) or len(set(p["gpus"])) != len(p["gpus"]):
+        module.fail_json(msg=f"gpus must be distinct GPU numbers >= 0 (N of /dev/nvidiaN), got {p['gpus']}")
+    node = p["node_name"] or socket.gethostname().split(".")[0]
+    result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
+                  differences=[], gpu_uuids=[], driver_version=None)
+    try:
+        provision(Pct(p["pct_argv"], node), p, module.check_mode, result)
+    except CheckFailed as exc:
+        module.fail_json(msg=str(exc), **result)
+    left = [d for d in result["differences"] if not d["applied"]]
+    if left:
+        module.warn(f"CT {p['vmid']} on node {node} differs from the inventory and was left as it is: "
+                    f"{difference_text(left)}. Set proxmox_provision_reconcile: true to change it (not "
+                    "the root disk or unprivileged: pct resize, or a new container).")
+    if not module._diff:
+        result.pop("diff", None)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
