@@ -49,9 +49,22 @@ def test_containers_on_two_nodes_reach_each_other_at_their_net0_addresses(sim_fa
         reply = connect_from(lan, 301, address, port)
         assert reply.returncode == 0, reply.stderr
         assert reply.stdout.strip() == "ct300"  # the container on pve1 answered the one on pve2
-        # A container of the default (isolated) sim has a network namespace of its own, loopback down.
+        # A container of the default (isolated) sim has a network namespace of its own: that address is
+        # on its own loopback, where nothing listens.
         isolated = connect_from(sim, 200, address, port)
-        assert isolated.returncode != 0 and "Network is unreachable" in isolated.stderr
+        assert isolated.returncode != 0 and "Connection refused" in isolated.stderr
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_isolated_container_reaches_its_own_loopback(sim):
+    # Its init brings lo up, as a Debian template's does: a run's torchrun rendezvouses on 127.0.0.1.
+    server, port = serve_in(sim, 201, "127.0.0.1")
+    try:
+        reply = connect_from(sim, 201, "127.0.0.1", port)
+        assert reply.returncode == 0, reply.stderr
+        assert reply.stdout.strip() == "ct201"
     finally:
         server.kill()
         server.wait()

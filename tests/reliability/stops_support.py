@@ -244,6 +244,12 @@ def rng_for(test_name):
     return random.Random(seed), seed
 
 
+def trainer_processes(fleet, vmid):
+    """The trainer's processes in the container (launcher, torchrun, workers), as `ps` lists them."""
+    res = fleet.ct(vmid, "ps -eo pid,args")
+    return [line for line in res.stdout.splitlines() if "dflash." in line or "torch.distributed.run" in line]
+
+
 def wait_until(predicate, timeout, interval=0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

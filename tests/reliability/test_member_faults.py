@@ -9,6 +9,7 @@ import json
 
 import pytest
 from input_support import InputFleet
+from stops_support import trainer_processes
 
 from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
 
@@ -26,12 +27,6 @@ def fleet(tmp_path_factory):
     assert res.rc == 0, str(res)
     yield f
     f.down()
-
-
-def trainer_processes(fleet, vmid):
-    """The trainer's processes in the container (launcher, torchrun, workers), as `ps` lists them."""
-    res = fleet.ct(vmid, "ps -eo pid,args")
-    return [line for line in res.stdout.splitlines() if "dflash." in line or "torch.distributed.run" in line]
 
 
 def run_pids(fleet):

@@ -1,0 +1,113 @@
+"""A worker of a deployed run SIGKILLed again and again at random moments, as OOM kills would.
+
+CT 200 runs the sim's run with a 1 + 1 worker layout under torchrun, deployed by `deploy.yml` with a
+restart limit above the number of kills. Each kill picks a worker of the current start of the group
+at random and a random moment after the group logged its first step. After each kill torchrun
+restarts the group, which resumes from the last complete checkpoint and logs saved step + 1 first;
+there is always exactly one run (the pidfile's launcher, one torchrun and its two workers: never two,
+never a worker of an earlier start). At the end a deploy converges and keeps the run.
+
+Runs under `make test-reliability` only (20 kills); tests/pipeline/test_pipeline_run.py kills a worker
+until the limit is spent.
+"""
+
+import json
+import time
+
+import pytest
+import yaml
+from stops_support import rng_for, trainer_processes, wait_until
+from trial_counts import trials
+
+from pvesim.fleet import SIM_GROUP_VARS, Fleet
+
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
+
+VMID = 200
+KILLS = trials(2, 20)
+LOG = "/var/log/dflash/main.log"
+RESTART_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("worker-kills"), nodes=1, containers=(VMID,), gpus=2)
+    try:
+        settings = yaml.safe_load((SIM_GROUP_VARS / "training_containers.yml").read_text())
+        settings = settings["dflash_release_settings"]
+        settings["data"].pop("eval_path")  # no held-out evaluation: a quicker start
+        settings["run"]["save_every"] = 3
+        settings["pipeline"].update(target_workers=1, drafter_workers=1)
+        f.host_vars(f"ct{VMID}", {"dflash_release_settings": settings, "dflash_run_max_restarts": KILLS + 5,
+                                  "dflash_run_progress_timeout": 300})
+        res = f.play("deploy.yml")
+        assert res.rc == 0, str(res)
+        yield f
+    finally:
+        f.down()
+
+
+def events(fleet):
+    return [json.loads(line) for line in (fleet.read(VMID, LOG) or "").splitlines() if line.startswith("{")]
+
+
+def group_started(log, restart):
+    """The workers of start `restart` of the group ({name: pid}), once its first step is logged after
+    its resume (or its first start's first step); else None."""
+    starts = [i for i, e in enumerate(log) if e["event"] == "worker_start" and e.get("restart") == restart]
+    if not starts:
+        return None
+    later = log[starts[0]:]
+    if not any(e["event"] == "step" for e in later):
+        return None
+    return {e["worker"]: e["pid"] for e in later
+            if e["event"] == "worker_start" and e.get("restart") == restart}
+
+
+def poll(read, timeout=RESTART_TIMEOUT_S):
+    """What `read()` returns once it returns something, or None after `timeout`."""
+    found = []
+    wait_until(lambda: found.append(read()) or found[-1], timeout)
+    return found[-1]
+
+
+def assert_one_run(fleet, launcher):
+    assert fleet.run_info(VMID)["pid"] == launcher and fleet.alive(VMID, launcher)
+    # The launcher, one torchrun and two workers: nothing of an earlier start is left.
+    processes = trainer_processes(fleet, VMID)
+    assert len(processes) == 4, processes
+
+
+def test_a_worker_killed_again_and_again_resumes_each_time_and_leaves_one_run(fleet):
+    rng, _ = rng_for("worker kills")
+    launcher = fleet.run_info(VMID)["pid"]
+    workers = poll(lambda: group_started(events(fleet), 0))
+    # A checkpoint first, so that every kill has one to resume from.
+    assert poll(lambda: any(e["event"] == "checkpoint" for e in events(fleet))), "no checkpoint"
+    print(f"{'kill':>4}  {'worker':<8}  {'delay s':>7}  {'saved':>5}  {'resumed':>7}  first step")
+    for kill in range(KILLS):
+        assert workers, f"start {kill} of the group logged no step"
+        delay = round(rng.uniform(0.0, 4.0), 2)
+        time.sleep(delay)  # the fault's random moment (a time, not a condition)
+        victim = rng.choice(sorted(workers))
+        before = len(events(fleet))
+        fleet.ct(VMID, f"kill -9 {workers[victim]}")
+        found = poll(lambda restart=kill + 1: group_started(events(fleet), restart))
+        log = events(fleet)
+        assert found, f"kill {kill + 1}: no restart of the group with a step; log ends {log[-5:]}"
+        after = log[before:]
+        restart_at = next(i for i, e in enumerate(after) if e["event"] == "restart")
+        resume = next(e for e in after[restart_at:] if e["event"] == "resume")
+        first_step = next(e for e in after[restart_at:] if e["event"] == "step")
+        saved = max(e["step"] for e in log[:before + restart_at] if e["event"] == "checkpoint")
+        print(f"{kill + 1:>4}  {victim:<8}  {delay:>7}  {saved:>5}  {resume['step']:>7}  "
+              f"{first_step['step']}")
+        assert resume["step"] == saved and first_step["step"] == saved + 1
+        assert_one_run(fleet, launcher)
+        workers = found
+    status = fleet.status(VMID)
+    assert status["restarts"] == KILLS and status["state"] == "running", status
+
+    res = fleet.play("deploy.yml")
+    assert res.rc == 0, str(res)
+    assert_one_run(fleet, launcher)  # nothing changed: the deploy kept the run
