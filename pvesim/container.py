@@ -200,6 +200,13 @@ now complete."
 """
 
 
+def etc_hosts(hostname, address=None):
+    """The container's /etc/hosts as pve-container's setup writes it (PVE/LXC/Setup/Base.pm,
+    `update_etc_hosts`): the hostname on its net0 address, or on 127.0.1.1 without one."""
+    return (f"127.0.0.1 localhost.localdomain localhost\n::1 localhost ip6-localhost ip6-loopback\n"
+            f"# --- BEGIN PVE ---\n{address or '127.0.1.1'} {hostname}\n# --- END PVE ---\n")
+
+
 def write_lxc(node_files, tag, vmid, hostname, network="isolated", driver_tools=True):
     """Write the container's LXC config and the files of its own layer (what `pct create` makes).
     `driver_tools`: the NVIDIA user-space tools are installed (a hand-built container of `pvesim up`);
@@ -213,6 +220,8 @@ def write_lxc(node_files, tag, vmid, hostname, network="isolated", driver_tools=
         _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)
     _put(delta, NVIDIA_SMI_CONFIG, container_gpu_config(vmid).encode(), 0o644)
     _put(delta, "/etc/hostname", f"{hostname}\n".encode(), 0o644)
+    address = container_address(tag, vmid) if network == "loopback" else None
+    _put(delta, "/etc/hosts", etc_hosts(hostname, address).encode(), 0o644)
     _whiteout(delta, "/usr/sbin/pct")
     # The container's /root is its own (an opaque dir hides the node's /root, so a file copied to the
     # node's /root is NOT visible in the container), with root's dotfiles as a fresh Debian container has.

@@ -58,8 +58,12 @@ def test_containers_on_two_nodes_reach_each_other_at_their_net0_addresses(sim_fa
         server.wait()
 
 
-def test_an_isolated_container_reaches_its_own_loopback(sim):
-    # Its init brings lo up, as a Debian template's does: a run's torchrun rendezvouses on 127.0.0.1.
+def test_an_isolated_container_reaches_its_own_loopback_and_resolves_its_hostname(sim):
+    # Its init brings lo up, as a Debian template's does: a run's torchrun rendezvouses on 127.0.0.1,
+    # and its workers reach the agent's store at the container's hostname (/etc/hosts, as Proxmox writes it).
+    lookup = "import socket; print(socket.gethostbyname('ct201'))"
+    resolved = sim.ssh("pve1", in_ct(201, "python3", "-c", lookup))
+    assert resolved.stdout.strip() == "127.0.1.1", resolved.stderr
     server, port = serve_in(sim, 201, "127.0.0.1")
     try:
         reply = connect_from(sim, 201, "127.0.0.1", port)
