@@ -134,7 +134,7 @@ CASES = [
     Case("A GPU layout beyond the container's GPUs", RESTART,
          CT200 + extra(dflash_release_device="cuda", dflash_release_target_gpus=[0, 1, 2, 3, 4],
                        dflash_release_drafter_gpus=[5, 6, 7, 8]),
-         words=("CT 200 on node pve1 has 4 GPU(s)", "names GPU(s) [8]", "Fix the layout")),
+         words=("CT 200 on node pve1 has 4 GPU(s)", "names GPU(s) [4, 5, 6, 7, 8]", "Fix the layout")),
     # The release: validated in the container by the trainer before the switch; the trainer names the key
     # (validate --json), the role the inventory variable that sets it.
     Case("Target and drafter GPU lists that overlap", RESTART,
