@@ -209,7 +209,7 @@ progress:
   type: str
 log_tail:
   description: End of O(log_path) when the run died at start or did not match O(wait_for), or, with
-    V(status), when the pidfile is stale (the run ended without a stop: it finished, failed or died).
+    V(status), when the pidfile is stale (the run ended without a stop; it finished, failed or died).
   returned: on start failure; with V(status) and a stale pidfile
   type: str
 """
