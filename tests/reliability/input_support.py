@@ -114,3 +114,15 @@ def readme_table(heading="## Reliability", first_column="case"):
         elif inside and not cells:
             break
     return rows
+
+
+def deployed_fleet(base, nodes, containers):
+    """The body of a module fixture: an InputFleet with a run deployed in each container (two at a
+    time), taken down at the end, also when that first deploy fails."""
+    fleet = InputFleet(base, nodes=nodes, containers=containers)
+    try:
+        res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=2")
+        assert res.rc == 0, str(res)
+        yield fleet
+    finally:
+        fleet.down()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from input_support import InputFleet, RunSnapshot, readme_table, shown
+from input_support import RunSnapshot, deployed_fleet, readme_table, shown
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -167,13 +167,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = InputFleet(tmp_path_factory.mktemp("bad-input"), nodes=1, containers=CONTAINERS)
-    try:  # a deploy that fails takes the sim down too
-        res = f.play("deploy.yml", "-e", "dflash_fleet_serial=2")
-        assert res.rc == 0, str(res)
-        yield f
-    finally:
-        f.down()
+    yield from deployed_fleet(tmp_path_factory.mktemp("bad-input"), nodes=1, containers=CONTAINERS)
 
 
 def as_param(case):

@@ -9,7 +9,7 @@ it runs under `make test-reliability` only (`make test` checks host keys in test
 import json
 
 import pytest
-from input_support import InputFleet, RunSnapshot, shown, unreachable
+from input_support import RunSnapshot, deployed_fleet, shown, unreachable
 
 from pvesim.fleet import change_code
 
@@ -21,13 +21,7 @@ LOG = "/var/log/dflash/main.log"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = InputFleet(tmp_path_factory.mktemp("infra-faults"), nodes=2, containers=CONTAINERS)
-    try:  # a deploy that fails takes the sim down too
-        res = f.play("deploy.yml", "-e", "dflash_fleet_serial=2")
-        assert res.rc == 0, str(res)
-        yield f
-    finally:
-        f.down()
+    yield from deployed_fleet(tmp_path_factory.mktemp("infra-faults"), nodes=2, containers=CONTAINERS)
 
 
 def snapshots(fleet):
