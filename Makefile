@@ -31,7 +31,7 @@ test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecu
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-reliability: setup ## The full reliability suite (randomised trials at the counts the README reports).
-	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest tests/reliability $(PYTEST_ARGS)
+	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
 # ansible-test sanity runs each test in a virtualenv of its pinned requirements, from the package index.

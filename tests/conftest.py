@@ -24,9 +24,21 @@ if str(REPO_ROOT) not in sys.path:
 
 import pvesim  # noqa: E402  (importable from a plain checkout, before `pip install -e .`)
 from pvesim.fleet import VENV_BIN, ansible_env  # noqa: E402
+from tests.reliability.trial_counts import FULL  # noqa: E402
 
 # The session's sim: two nodes with two containers each, eight GPUs per node.
 SESSION_LAYOUT = {"nodes": 2, "containers": (200, 201, 202, 203), "gpus": 8}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `reliability_full`, wherever they are, run only under `make test-reliability`
+    (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability."""
+    if FULL:
+        return
+    skip_full = pytest.mark.skip(reason="full reliability suite only (make test-reliability)")
+    for item in items:
+        if item.get_closest_marker("reliability_full"):
+            item.add_marker(skip_full)
 
 
 def require_sim_machine():

@@ -1,8 +1,10 @@
 """Faults under a run across two containers (pve1 CT 210, pve2 CT 211, the sim's loopback network):
-a member container stopped mid-run, a member's node unreachable when a restart begins. Each ends with
-one run or none (never two, never a stray worker), and the next deploy converges.
+a member container stopped mid-run, a member's node unreachable when a restart begins, a stop and a
+restart of the whole run, a member that fails to start. Each ends with one run or none (never two,
+never a stray worker), and the next deploy converges.
 
-Runs under `make test-reliability` only (`make test` has tests/roles/test_run_members.py).
+Runs under `make test-reliability` only (`make test` has tests/roles/test_run_members.py: the deploy
+and the status of such a run). The tests share one fleet and run in order.
 """
 
 import json
@@ -14,6 +16,8 @@ from stops_support import trainer_processes
 from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
+
+BLOCKER = "/var/lib/dflash/runs/main"  # a file here keeps a member's run from writing its output
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,38 @@ def test_a_member_node_unreachable_when_a_restart_begins_leaves_the_run_as_it_is
     assert res.rc == 0, str(res)
     assert run_pids(fleet) != before
     assert_one_run_on_every_member(fleet)
+
+
+def test_stop_stops_every_member_at_one_checkpoint_and_restart_resumes_it(fleet):
+    res = fleet.play("stop_training.yml")
+    assert res.rc == 0, res
+    assert [fleet.run_info(v) for v in CONTAINERS] == [None, None]
+    steps = [fleet.status(v)["step"] for v in CONTAINERS]
+    assert steps[0] == steps[1] and all(fleet.status(v)["state"] == "stopped" for v in CONTAINERS)
+    # Each member keeps its own copy of the checkpoint of the step where the run stopped.
+    for vmid in CONTAINERS:
+        assert fleet.status(vmid)["last_checkpoint"].endswith(f"step-{steps[0]:08d}")
+
+    res = fleet.play("restart_training.yml")
+    assert res.rc == 0, res
+    for vmid in CONTAINERS:
+        assert resumes(fleet, vmid)[-1] == steps[0]
+        assert fleet.status(vmid)["step"] > steps[0]
+
+
+def test_a_member_that_fails_to_start_stops_the_other_and_is_named(fleet):
+    # CT 211's run cannot write its output: its launcher fails at once; CT 210 waits at the rendezvous.
+    assert fleet.ct(211, f"mv {BLOCKER} {BLOCKER}.aside && touch {BLOCKER}").returncode == 0
+    res = fleet.play("restart_training.yml")
+    assert res.rc != 0
+    failure = res.results("Fail naming the members that did not start.")
+    assert set(failure) == set(HOSTS), res
+    message = failure["ct210"]["msg"]
+    assert "Run main did not start on ct210, ct211:" in message, message
+    # CT 211 failed on its own (its output dir), CT 210 waited at the rendezvous for it.
+    assert "ct211: run exited with code 1" in message and f"Not a directory: '{BLOCKER}/" in message, message
+    assert "RendezvousTimeoutError" in message and "Every member (ct210, ct211) is stopped." in message
+    assert [fleet.run_info(v) for v in CONTAINERS] == [None, None]
+    for vmid in CONTAINERS:  # no worker of either member is left
+        assert fleet.ct(vmid, "ps -eo args | grep -c '[d]flash'").stdout.strip() == "0"
+    assert fleet.ct(211, f"rm {BLOCKER} && mv {BLOCKER}.aside {BLOCKER}").returncode == 0
