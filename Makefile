@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-reliability: setup ## The full reliability suite (randomised trials at the counts the README reports).
+test-reliability: setup ## The full reliability suite (trials at the README's counts) and the tests make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
