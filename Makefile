@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-reliability lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -27,10 +27,15 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q -e '.[dev]' >> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $@
 
-test: setup ## Run the whole test suite (unit, pvesim integration, roles, molecule).
+# ansible-core's and community.proxmox's own connection test suites, from their sdists on the package index
+# at the versions the venv runs (tests/pvesim/test_peer_suites.py runs them with an inventory of ours).
+peer-suites: setup ## Fetch the connection test suites of ansible-core and community.proxmox (silent when there).
+	@$(PY) scripts/peer_suites.py
+
+test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-reliability: setup ## The full reliability suite (trials at the README's counts) and the tests make test leaves out.
+test-reliability: setup peer-suites ## The full reliability suite (trials at the README's counts) and the tests make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).

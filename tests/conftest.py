@@ -68,6 +68,15 @@ def sim(tmp_path_factory):
     pvesim.down(s.state_dir)
 
 
+@pytest.fixture(scope="session")
+def sudo_sim(tmp_path_factory):
+    """pve1 with CT 390, reached as the node user `ansible` (pct through production's sudo rule)."""
+    s = bring_up(tmp_path_factory.mktemp("pvesim-sudo"), nodes=1, containers=(390,), gpus=0,
+                 node_user="ansible")
+    yield s
+    pvesim.down(s.state_dir)
+
+
 @pytest.fixture
 def sim_factory(tmp_path_factory):
     """Bring up extra sims inside one test: `sim_factory(nodes=1, containers=(300,), gpus=0)`."""

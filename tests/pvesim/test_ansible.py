@@ -2,13 +2,18 @@
 (community.proxmox.proxmox_pct_remote with pipelining)."""
 
 import json
+import subprocess
 import sysconfig
 import uuid
 from pathlib import Path
 
 import pytest
 
+from pvesim.fleet import VENV_BIN, ansible_env
+
 pytestmark = pytest.mark.sim
+
+REPO_CFG = Path(__file__).resolve().parents[2] / "ansible.cfg"
 
 
 @pytest.mark.slow
@@ -64,9 +69,32 @@ def test_pct_pipelined_runs_a_module_in_one_pct_exec(sim, run_ansible):
     assert "ct201 | CHANGED" in piped.stdout
     assert len(_pct_execs(piped)) == 1, _pct_execs(piped)
     assert "/usr/bin/python3 && sleep 0'" in _pct_execs(piped)[0]
-    for extra in ("ansible_pct_pipelining=false", "ansible_connection=community.proxmox.proxmox_pct_remote"):
+    for extra in ("ansible_pct_pipelining=false", "ansible_pipelining=false",
+                  "ansible_connection=community.proxmox.proxmox_pct_remote"):
         plain = run_ansible("ansible", "ct201", "-m", "ansible.builtin.command", "-a", "cat /etc/hostname",
                             "-vvv", "-e", extra, check=True)
         assert len(_pct_execs(plain)) >= 5, (extra, _pct_execs(plain))
         # Same container, same answer, either way.
         assert plain.stdout.split("\n", 1)[0].split("|")[0] == piped.stdout.split("\n", 1)[0].split("|")[0]
+
+
+def test_ansibles_own_pipelining_and_pty_settings_apply(sim, tmp_path):
+    """ANSIBLE_PIPELINING=False and [defaults] pipelining = False turn pipelining off, as for ansible-core's
+    connections; with a PTY asked for (ANSIBLE_PARAMIKO_PTY, [paramiko_connection] pty) a pipelined module
+    still gets none, so it neither hangs nor sees its input echoed."""
+    config = tmp_path / "ansible.cfg"
+    text = REPO_CFG.read_text().replace("collections_path = .", f"collections_path = {REPO_CFG.parent}")
+    config.write_text(text.replace("[defaults]\n", "[defaults]\npipelining = False\n", 1))
+
+    def pct_execs(**env):
+        res = subprocess.run([str(VENV_BIN / "ansible"), "-i", str(sim.inventory_path), "ct201", "-vvv",
+                              "-m", "ansible.builtin.command", "-a", "cat /etc/hostname"],
+                             env=ansible_env(**env), capture_output=True, text=True, timeout=120,
+                             stdin=subprocess.DEVNULL, cwd=REPO_CFG.parent)
+        assert "ct201 | CHANGED" in res.stdout, res.stdout + res.stderr
+        return len(_pct_execs(res))
+
+    assert pct_execs() == 1
+    assert pct_execs(ANSIBLE_PIPELINING="False") >= 5
+    assert pct_execs(ANSIBLE_CONFIG=str(config)) >= 5
+    assert pct_execs(ANSIBLE_PARAMIKO_PTY="True") == 1
