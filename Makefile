@@ -35,7 +35,7 @@ peer-suites: setup ## Fetch the connection test suites of ansible-core and commu
 test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-reliability: setup peer-suites ## The full reliability suite (trials at the README's counts) and the tests make test leaves out.
+test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).

@@ -1,8 +1,8 @@
 """pct_container_check run for real against a stand-in pct (and sudo) that keeps its containers in a
 JSON file, and its pure helpers.
 
-The failure messages are compared whole: they are the node checks' user-facing errors (README.md's
-bad-input table shows them), so a changed word is a changed contract.
+The failure messages are compared whole: they are the node checks' user-facing errors (the bad-input
+table of docs/RELIABILITY.md shows them), so a changed word is a changed contract.
 """
 
 from __future__ import annotations

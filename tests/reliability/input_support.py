@@ -11,7 +11,7 @@ import yaml
 from pvesim.fleet import SIM_GROUP_VARS, VENV_BIN, Fleet, ansible_env
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+RELIABILITY_DOC = REPO / "docs" / "RELIABILITY.md"  # its tables list the cases
 
 
 class InputFleet(Fleet):
@@ -96,12 +96,12 @@ class RunSnapshot:
                    alive=bool(pid) and fleet.alive(vmid, pid), release=fleet.live_release(vmid))
 
 
-def readme_table(heading="## Reliability", first_column="case"):
-    """Rows of the first table under `heading` in README.md whose first header cell is `first_column`:
-    a list of lists of cell texts."""
-    text = README.read_text()
+def doc_table(heading, first_column):
+    """Rows of the first table under `heading` in docs/RELIABILITY.md whose first header cell is
+    `first_column`: a list of lists of cell texts."""
+    text = RELIABILITY_DOC.read_text()
     start = text.find(f"\n{heading}\n")
-    assert start >= 0, f"README.md has no section {heading!r}"
+    assert start >= 0, f"docs/RELIABILITY.md has no section {heading!r}"
     section = text[start + len(heading) + 2:]
     section = section[:section.find("\n## ")] if "\n## " in section else section
     rows, inside = [], False

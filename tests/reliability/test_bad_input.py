@@ -3,7 +3,7 @@
 One fleet (pve1: CT 200 and CT 201) runs a good run in each container, deployed once for the module.
 Each case of CASES applies one piece of bad input (an -e override, a broken inventory, a fault on the
 node or in the container), runs the playbook, and checks what the user saw and that the good runs go
-on with the same pid on the same release. README.md's Reliability table lists the same cases.
+on with the same pid on the same release. docs/RELIABILITY.md's Bad input table lists the same cases.
 """
 
 import json
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from input_support import RunSnapshot, deployed_fleet, readme_table, shown
+from input_support import RunSnapshot, deployed_fleet, doc_table, shown
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -27,12 +27,12 @@ DRIVER_ERROR = ("NVIDIA-SMI has failed because it couldn't communicate with the 
 class Case:
     """One row of the bad-input table."""
 
-    case: str  # the README's "case" column
+    case: str  # the "case" column of docs/RELIABILITY.md's table
     playbook: str
     args: tuple = ()
     fault: Callable | None = None  # fault(fleet, tmp_path): applies the bad input, may return more arguments
     undo: Callable | None = None  # undo(fleet): takes the fault away again
-    words: tuple = ()  # what the message must say (cause and fix); the README row says it too
+    words: tuple = ()  # what the message must say (cause and fix); the table's row says it too
     faulted: tuple = ()  # containers the fault itself stops (their run is brought back after)
     fast: bool = False  # part of `make test`'s fast subset
 
@@ -224,10 +224,10 @@ def test_a_garbage_pidfile_is_moved_aside_and_the_start_proceeds(fleet):
     assert len(moved) == 1 and fleet.read(200, moved[0]) == TRUNCATED
 
 
-def test_the_readme_table_shows_every_case_as_the_tests_see_it():
-    rows = {row[0]: row for row in readme_table(first_column="case")}
+def test_the_reliability_doc_table_shows_every_case_as_the_tests_see_it():
+    rows = {row[0]: row for row in doc_table("## Bad input", first_column="case")}
     assert list(rows) == [case.case for case in CASES + [GARBAGE]]
     for case in CASES + [GARBAGE]:
         seen = rows[case.case][1].replace("`", "")
         for words in case.words:
-            assert words in seen, f"README row {case.case!r} does not say {words!r}"
+            assert words in seen, f"docs/RELIABILITY.md row {case.case!r} does not say {words!r}"

@@ -4,8 +4,8 @@ again.
 
 The fleet: pve1 with CT 200 (GPUs 0 and 1), pve2 with CT 202 (GPUs 0 and 1) and VM 300. The inventory
 adds containers of pve1 that do not exist yet: ct201 (GPUs 2 and 3), ct205 (GPU 3, the bad-input cases'
-target) and ct206 (GPU 3 too, the killed runs' target); the last two may share it. README.md's "Bad input to
-provisioning" table lists the same cases.
+target) and ct206 (GPU 3 too, the killed runs' target); the last two may share it. The "Bad input to
+provisioning" table of docs/RELIABILITY.md lists the same cases.
 """
 
 import json
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 from deploy_faults_support import REPO, kill_deploy_when
-from input_support import InputFleet, readme_table, shown
+from input_support import InputFleet, doc_table, shown
 from trial_counts import trials
 
 from pvesim.fleet import VENV_BIN
@@ -29,9 +29,9 @@ KILLED = 206
 
 @dataclass(frozen=True)
 class Case:
-    case: str  # the README's "provisioning case" column
+    case: str  # the "provisioning case" column of docs/RELIABILITY.md's table
     variables: dict
-    words: tuple  # what the message must say (cause and fix); the README row says it too
+    words: tuple  # what the message must say (cause and fix); the table's row says it too
     setup: str = ""  # a shell command on pve1 first (undone by `undo`)
     undo: str = ""
     fast: bool = False
@@ -124,13 +124,13 @@ def test_bad_input_fails_clearly_and_leaves_no_container(fleet, case):
     assert node_containers(fleet) == before
 
 
-def test_the_readme_table_shows_every_case_as_the_tests_see_it():
-    rows = {row[0]: row for row in readme_table(first_column="provisioning case")}
+def test_the_reliability_doc_table_shows_every_case_as_the_tests_see_it():
+    rows = {row[0]: row for row in doc_table("## Bad input to provisioning", "provisioning case")}
     assert list(rows) == [case.case for case in CASES]
     for case in CASES:
         seen = rows[case.case][1].replace("`", "")
         for words in case.words:
-            assert words in seen, f"README row {case.case!r} does not say {words!r}"
+            assert words in seen, f"docs/RELIABILITY.md row {case.case!r} does not say {words!r}"
 
 
 @pytest.mark.reliability_full
