@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from connection_driver import open_connection
+from connection_driver import Driver
 from simtools import in_ct
 
 from pvesim.fleet import VENV_BIN, ansible_env
@@ -59,8 +59,8 @@ def target(request):
 
 
 @pytest.fixture
-def conn(target):
-    c = open_connection(target.hostvars)
+def conn(target, tmp_path_factory):
+    c = Driver(target.hostvars, tmp_path_factory.mktemp("driver"))
     yield c
     c.close()
 
@@ -119,7 +119,7 @@ def test_odd_file_names_are_put_and_fetched_under_their_own_names(target, conn, 
 
 def test_a_failed_fetch_names_the_file_and_leaves_nothing_behind(conn, tmp_path):
     dest = tmp_path / "dest"
-    with pytest.raises(Exception, match=r"fetching /nonexistent/it's here .*No such file"):
+    with pytest.raises(RuntimeError, match=r"fetching /nonexistent/it's here .*No such file"):
         conn.fetch_file("/nonexistent/it's here", str(dest))
     assert list(tmp_path.iterdir()) == []
 
@@ -143,10 +143,10 @@ def test_no_output_or_input_size_deadlocks(conn, command, in_data, expect):
     assert (rc, got) == (0, expect)
 
 
-def test_a_pty_is_given_to_commands_without_stdin_only(target):
+def test_a_pty_is_given_to_commands_without_stdin_only(target, tmp_path):
     """With pty on (ANSIBLE_PARAMIKO_PTY), as ansible-core's ssh connection: a tty for a plain command, none
     for a command with data on stdin (a pipelined module, a put), which arrives exactly."""
-    conn = open_connection(target.hostvars, pty=True)
+    conn = Driver(target.hostvars, tmp_path, pty=True)
     try:
         rc, out, _ = finishes(lambda: conn.exec_command("tty"))
         assert rc == 0 and out.startswith(b"/dev/pts/"), out
