@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from module_runner import ansible_module, run_module
-from test_gpu_verify_parse import (
+from test_nvidia_smi import (
     DRIVER_NOT_LOADED,
     H100_APPS,
     H100_BUSY,

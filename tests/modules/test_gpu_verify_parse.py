@@ -1,113 +1,26 @@
-"""Unit tests of gpu_verify's pure helpers on nvidia-smi output as real machines print it."""
+"""Unit tests of gpu_verify's pure helpers (judging the GPUs, mapping processes to containers) on
+nvidia-smi output as real machines print it."""
 
 from __future__ import annotations
 
 import pytest
+from test_nvidia_smi import H100_APPS, H100_BUSY, H100_IDLE, PLACEHOLDER_ROWS
 
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import COMPUTE_APPS, GPU_LOAD
 from ansible_collections.dflash.ops.plugins.modules import gpu_verify as gv
 
-# `--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`
-H100_IDLE = """\
-0, GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10, NVIDIA H100 80GB HBM3, 0, 81559, 0
-1, GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901, NVIDIA H100 80GB HBM3, 4, 81559, 0
-"""
-# A training run on GPU 0; GPU 1 has a little memory used by the driver only.
-H100_BUSY = """\
-0, GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10, NVIDIA H100 80GB HBM3, 61234, 81559, 97
-1, GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901, NVIDIA H100 80GB HBM3, 4, 81559, 0
-"""
-H100_APPS = """\
-81234, GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10, 61220
-"""
-# MIG mode: utilization is not reported; a consumer card: no utilization either; a container
-# without the right device permissions; a GPU in trouble.
-PLACEHOLDER_ROWS = """\
-0, GPU-aaaaaaaa-0000-0000-0000-000000000000, NVIDIA A100-SXM4-40GB, 13, 40960, [N/A]
-1, GPU-bbbbbbbb-0000-0000-0000-000000000000, NVIDIA GeForce GTX 1080, 305, 8192, [Not Supported]
-2, GPU-cccccccc-0000-0000-0000-000000000000, NVIDIA A10, [Insufficient Permissions], 23028, 0
-3, GPU-dddddddd-0000-0000-0000-000000000000, NVIDIA A10, [Unknown Error], [Unknown Error], [Unknown Error]
-4, GPU-eeeeeeee-0000-0000-0000-000000000000, NVIDIA A10, N/A, 23028, [GPU requires reset]
-"""
 
-
-def test_parse_gpus_of_an_idle_node():
-    gpus = gv.parse_gpus(H100_IDLE)
-    assert gpus == [
-        {"index": 0, "uuid": "GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10", "name": "NVIDIA H100 80GB HBM3",
-         "memory_used_mib": 0, "memory_total_mib": 81559, "utilization_pct": 0},
-        {"index": 1, "uuid": "GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901", "name": "NVIDIA H100 80GB HBM3",
-         "memory_used_mib": 4, "memory_total_mib": 81559, "utilization_pct": 0},
-    ]
-
-
-def test_placeholders_become_none_in_every_field():
-    gpus = gv.parse_gpus(PLACEHOLDER_ROWS)
-    assert [g["utilization_pct"] for g in gpus] == [None, None, 0, None, None]
-    assert [g["memory_used_mib"] for g in gpus] == [13, 305, None, None, None]
-    assert gpus[3]["memory_total_mib"] is None
-    assert gpus[1]["name"] == "NVIDIA GeForce GTX 1080"
-
-
-def test_a_name_with_a_comma_is_kept_whole():
-    gpus = gv.parse_gpus("0, GPU-x, Some Vendor, Model 9, 100, 200, 5\n")
-    assert gpus[0]["name"] == "Some Vendor, Model 9" and gpus[0]["memory_total_mib"] == 200
+def snapshot(gpu_output, apps_output=""):
+    gpus = GPU_LOAD.parse(gpu_output)
+    return gpus, gv.with_gpu_index(COMPUTE_APPS.parse(apps_output), gpus)
 
 
 def test_processes_get_their_gpu_index():
-    gpus = gv.parse_gpus(H100_BUSY)
-    processes = gv.parse_processes(H100_APPS, gpus)
-    assert processes == [{"pid": 81234, "gpu_uuid": "GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10",
-                          "gpu_index": 0, "used_memory_mib": 61220, "vmid": None, "container_pid": None}]
-
-
-def test_process_placeholders_and_the_old_no_process_line():
-    gpus = gv.parse_gpus(H100_BUSY)
-    output = "No running processes found\n\n81234, GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10, [N/A]\n"
-    processes = gv.parse_processes(output, gpus)
-    assert len(processes) == 1 and processes[0]["used_memory_mib"] is None
-    assert gv.parse_processes("", gpus) == []
+    assert snapshot(H100_BUSY, H100_APPS)[1] == [
+        {"pid": 81234, "gpu_uuid": "GPU-9f1d7c2a-4c0b-7a5e-3b1f-2d8e6a4c9b10", "gpu_index": 0,
+         "used_memory_mib": 61220, "vmid": None, "container_pid": None}]
     # A MIG instance's uuid names no full GPU: the process stays, without an index.
-    mig = gv.parse_processes("7, MIG-1234, 100\n", gpus)
-    assert mig[0]["gpu_index"] is None
-
-
-@pytest.mark.parametrize(
-    "output",
-    ["0, GPU-x, H100, 10, 20\n", "0, GPU-x, H100, lots, 20, 0\n", "not csv at all\n"],
-)
-def test_unexpected_gpu_output_is_an_error_naming_the_line(output):
-    with pytest.raises(gv.NvidiaSmiError, match="GPU|gave"):
-        gv.parse_gpus(output)
-
-
-def test_unexpected_process_output_is_an_error():
-    with pytest.raises(gv.NvidiaSmiError, match="process line"):
-        gv.parse_processes("81234, GPU-x\n", [])
-
-
-# What nvidia-smi prints and returns when it cannot work (see nvidia-smi(1), RETURN VALUE).
-DRIVER_NOT_LOADED = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-                     "Make sure that the latest NVIDIA driver is installed and running.\n")
-VERSION_MISMATCH = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 535.161"
-NVML_UNKNOWN = "Failed to initialize NVML: Unknown Error\n"
-
-
-@pytest.mark.parametrize(
-    "rc, output, expected",
-    [
-        (9, DRIVER_NOT_LOADED, "cannot reach the NVIDIA driver"),
-        (18, VERSION_MISMATCH, "differ in version"),
-        (255, NVML_UNKNOWN, "access to the /dev/nvidia* devices was lost"),
-        (4, "Failed to initialize NVML: Insufficient Permissions\n", "lacks permission"),
-        (12, "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system.", "libnvidia-ml.so"),
-        (15, "Unable to determine the device handle for GPU0000:18:00.0: GPU is lost.", "fallen off the bus"),
-        (14, "", "infoROM is corrupted"),
-        (77, "something new", "unknown exit code"),
-    ],
-)
-def test_failures_are_explained(rc, output, expected):
-    message = gv.explain_failure(rc, output)
-    assert expected in message and f"exit {rc}" in message
+    assert snapshot(H100_BUSY, "7, MIG-1234, 100\n")[1][0]["gpu_index"] is None
 
 
 @pytest.mark.parametrize(
@@ -155,11 +68,6 @@ def test_inside_lxc(tmp_path):
     assert gv.inside_lxc(str(tmp_path)) is False
     (tmp_path / "self" / "cgroup").write_text("0::/lxc/200/ns\n")  # no cgroup namespace
     assert gv.inside_lxc(str(tmp_path)) is True
-
-
-def snapshot(gpu_output, apps_output=""):
-    gpus = gv.parse_gpus(gpu_output)
-    return gpus, gv.parse_processes(apps_output, gpus)
 
 
 def test_idle_and_busy_by_memory_and_processes():

@@ -79,3 +79,11 @@ def test_the_connection_renders_with_the_collections_options_plus_pipelining():
         if name != "pty":
             assert yaml.safe_load(ours.DOCUMENTATION)["options"][name] == spec, name
     assert options["pty"]["default"] is False and options["pipelining"]["default"] is True
+
+
+def test_the_lookup_renders_with_its_options():
+    doc = json.loads(ansible_doc("-t", "lookup", "--json", "dflash.ops.role_argument_spec"))
+    options = doc["dflash.ops.role_argument_spec"]["doc"]["options"]
+    assert set(options) == {"_terms", "entry_point"} and options["entry_point"]["default"] == "main"
+    examples = yaml.safe_load(importlib.import_module(f"{PLUGINS}.lookup.role_argument_spec").EXAMPLES)
+    assert "dflash.ops.role_argument_spec" in json.dumps(examples)

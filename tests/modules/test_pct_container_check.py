@@ -16,14 +16,20 @@ from module_runner import ansible_module, run_module
 
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, pct_cannot_run
 from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
-    gpu_count,
     gpu_passthrough_lines,
     node_containers,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NODE = "pve1"
-EIGHT_GPUS = "".join(f"{i}\n" for i in range(8))
+
+
+def gpu_lines(count):
+    """What `nvidia-smi --query-gpu=index,uuid --format=csv,noheader,nounits` prints for `count` GPUs."""
+    return "".join(f"{i}, GPU-{i:08x}-0000-0000-0000-000000000000\n" for i in range(count))
+
+
+EIGHT_GPUS = gpu_lines(8)
 PASSTHROUGH = ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl", "dev2: /dev/nvidia-uvm",
                "lxc.cgroup2.devices.allow: c 195:* rwm"]
 CONFIG = ["arch: amd64", "cores: 2", *PASSTHROUGH[:3], "hostname: ct200", "memory: 8192", PASSTHROUGH[3]]
@@ -212,8 +218,18 @@ def test_nvidia_smi_failing_in_the_container(node):
         "container's GPU passthrough (pct config 200).")
 
 
+def test_nvidia_smi_answering_what_cannot_be_read(node):
+    node.containers({200: container(smi="0\n1\n")})  # an index alone: not what the query asks for
+    result, rc = node.check(vmid=200, required_gpus=[0])
+    assert rc == 1 and result["msg"] == (
+        "nvidia-smi in CT 200 on node pve1: unexpected nvidia-smi GPU line (want 2 fields): '0'. Check the "
+        "driver on the node (nvidia-smi on pve1), that the container's user-space driver has the node's "
+        "version, and the container's GPU passthrough (pct config 200).")
+    assert result["gpu_count"] is None
+
+
 def test_fewer_gpus_than_the_layout_names(node):
-    node.containers({200: container(smi="0\n1\n")})
+    node.containers({200: container(smi=gpu_lines(2))})
     result, rc = node.check(vmid=200, required_gpus=[0, 1, 2, 5])
     assert rc == 1 and result["msg"] == (
         "CT 200 on node pve1 has 2 GPU(s) (nvidia-smi in the container: indices 0..1), but the run's layout "
@@ -262,11 +278,6 @@ def test_node_containers_reads_pct_list():
 )
 def test_gpu_passthrough_lines(line, passes):
     assert gpu_passthrough_lines(f"arch: amd64\n{line}\nswap: 0\n") == ([line] if passes else [])
-
-
-def test_gpu_count_counts_index_lines_only():
-    assert gpu_count(" 0\n1 \n\n2\nNo devices were found\n") == 3
-    assert gpu_count("") == 0
 
 
 @pytest.mark.parametrize(

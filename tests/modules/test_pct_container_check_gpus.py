@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, pct_cannot_run
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import COMPUTE_APPS
+from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, CheckFailed, pct_cannot_run
 from ansible_collections.dflash.ops.plugins.modules.pct_container_check import (
     Pct,
+    container_gpus,
     gpu_holders,
     gpu_passthrough_lines,
-    gpu_uuids,
     passed_devices,
     passthrough_problem,
     shared_gpu_message,
@@ -81,18 +82,36 @@ def test_a_failed_pct_status_says_what_failed(stderr, rc, expected):
 
 
 def test_gpus_held_by_another_container_or_the_node_are_named():
-    apps = "4100, GPU-aaaa, 1024\n4200, GPU-bbbb, 2048\n4300, GPU-cccc, 512\n4400, GPU-aaaa, 100\n"
+    apps = COMPUTE_APPS.parse("4100, GPU-aaaa, 1024\n4200, GPU-bbbb, 2048\n4300, GPU-cccc, 512\n"
+                              "4400, GPU-aaaa, 100\n[N/A], GPU-bbbb, 5\n")
     owners = {4100: 200, 4200: 201, 4300: 202, 4400: None}
     holders = gpu_holders(apps, UUIDS, [0, 1], 200, owners.get)
-    # CT 200's own process is not a holder; GPU-cccc is not one of the run's GPUs.
-    assert holders == [(0, "GPU-aaaa", None, 4400, "100"), (1, "GPU-bbbb", 201, 4200, "2048")]
+    # CT 200's own process is not a holder; GPU-cccc is not one of the run's GPUs; a process without a pid
+    # cannot be looked up.
+    assert holders == [(0, "GPU-aaaa", None, 4400, 100), (1, "GPU-bbbb", 201, 4200, 2048)]
     message = shared_gpu_message(200, "pve1", holders)
     assert "GPU 1 (GPU-bbbb) by CT 201 (pid 4200, 2048 MiB)" in message
     assert "GPU 0 (GPU-aaaa) by the node itself (pid 4400, 100 MiB)" in message
     assert "Two containers are given the same GPU: stop what runs there (CT 201)" in message
-    assert gpu_holders(apps, UUIDS, [0], 201, owners.get) == [(0, "GPU-aaaa", 200, 4100, "1024"),
-                                                             (0, "GPU-aaaa", None, 4400, "100")]
+    assert gpu_holders(apps, UUIDS, [0], 201, owners.get) == [(0, "GPU-aaaa", 200, 4100, 1024),
+                                                             (0, "GPU-aaaa", None, 4400, 100)]
+    unknown_memory = shared_gpu_message(200, "pve1", [(1, "GPU-bbbb", 201, 4200, None)])
+    assert "GPU 1 (GPU-bbbb) by CT 201 (pid 4200, ? MiB)" in unknown_memory
 
 
-def test_gpu_uuids_come_by_index():
-    assert gpu_uuids("1, GPU-bbbb\n0, GPU-aaaa\n") == UUIDS
+def test_the_container_s_gpus_come_by_index():
+    gpus = container_gpus(200, "pve1", Answer(0, "1, GPU-bbbb\n0, GPU-aaaa\n", ""))
+    assert [gpu["uuid"] for gpu in gpus] == UUIDS
+
+
+@pytest.mark.parametrize("answer, start", [
+    (Answer(127, "", 'Failed to exec "nvidia-smi"'),
+     'nvidia-smi is missing in CT 200 on node pve1 (Failed to exec "nvidia-smi"). Install'),
+    (Answer(6, "No devices were found\n", ""), "nvidia-smi fails in CT 200 on node pve1 (exit 6): No devices "
+                                                "were found Check the driver on the node"),
+    (Answer(0, "0, GPU-aaaa, x\n", ""), "nvidia-smi in CT 200 on node pve1: unexpected nvidia-smi GPU line"),
+])
+def test_the_container_s_gpus_cannot_be_read(answer, start):
+    with pytest.raises(CheckFailed) as failed:
+        container_gpus(200, "pve1", answer)
+    assert str(failed.value).startswith(start), failed.value

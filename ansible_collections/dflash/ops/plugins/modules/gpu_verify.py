@@ -148,13 +148,17 @@ seconds:
 """
 
 import os
-import shutil
-import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import read_text, vmid_from_cgroup
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
+    COMPUTE_APPS,
+    GPU_LOAD,
+    NvidiaSmiError,
+    find_executable,
+)
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, confirm_run
 
 ARGUMENT_SPEC = dict(
@@ -169,130 +173,17 @@ ARGUMENT_SPEC = dict(
     run_name=dict(type="str", default="main"),
     run_expect_pid=dict(type="int"),
 )
-GPU_QUERY = "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu"
-APPS_QUERY = "--query-compute-apps=pid,gpu_uuid,used_memory"
-CSV_FORMAT = "--format=csv,noheader,nounits"
-NVIDIA_SMI_TIMEOUT = 30
-NO_DEVICES = "No devices were found"
-NO_PROCESSES = "No running processes found"
-
-# What nvidia-smi prints in a field it cannot fill; any other "[...]" is treated the same way.
-PLACEHOLDERS = {"N/A", "[N/A]", "[Not Supported]", "[Insufficient Permissions]", "[Unknown Error]",
-                "[GPU requires reset]", "[GPU is lost]", "[Not Found]", "ERR!"}
-
-# Known failure texts, most specific first; each names the usual cause.
-KNOWN_FAILURES = (
-    ("couldn't communicate with the NVIDIA driver",
-     "nvidia-smi cannot reach the NVIDIA driver: the kernel module is not loaded (or, in a container, "
-     "the /dev/nvidia* devices are not passed through)"),
-    ("Driver/library version mismatch",
-     "the NVIDIA user-space library and the loaded kernel module differ in version "
-     "(driver updated without reboot); reload the nvidia modules or reboot the node"),
-    ("Failed to initialize NVML: Unknown Error",
-     "NVML failed to initialise with an unknown error; in a container this usually means access to "
-     "the /dev/nvidia* devices was lost (device cgroup rules); restart the container"),
-    ("Insufficient Permissions",
-     "nvidia-smi lacks permission to open the GPU devices"),
-    ("couldn't find libnvidia-ml.so",
-     "the NVML library (libnvidia-ml.so) is not installed or not on the library path"),
-    ("GPU is lost",
-     "a GPU has fallen off the bus or become inaccessible; the node needs attention"),
-)
-
-# nvidia-smi(1), RETURN VALUE; 18 (NVML_ERROR_LIB_RM_VERSION_MISMATCH) is not listed there but is what it
-# returns on "Driver/library version mismatch".
-EXIT_CODES = {
-    2: "a supplied argument or flag is invalid",
-    3: "the requested operation is not available on the target device",
-    4: "the current user does not have permission to access the device",
-    6: "a query to find an object was unsuccessful",
-    8: "a device's external power cables are not properly attached",
-    9: "the NVIDIA driver is not loaded",
-    10: "the NVIDIA kernel detected an interrupt issue with a GPU",
-    12: "the NVML shared library could not be found or loaded",
-    13: "the local NVML does not implement this function",
-    14: "the infoROM is corrupted",
-    15: "a GPU has fallen off the bus or has otherwise become inaccessible",
-    18: "the NVML library and the driver versions do not match",
-    255: "other error or internal driver error",
-}
-
-
-class NvidiaSmiError(Exception):
-    pass
-
 
 # ---------------------------------------------------------------------------------------------
-# Parsing (pure)
+# Processes (pure)
 
 
-def parse_number(raw, what, line):
-    value = raw.strip()
-    if value in PLACEHOLDERS or (value.startswith("[") and value.endswith("]")):
-        return None
-    try:
-        return int(float(value))
-    except ValueError:
-        raise NvidiaSmiError(f"nvidia-smi gave {value!r} for {what} in line {line!r}") from None
-
-
-def parse_text(raw):
-    value = raw.strip()
-    return None if value in PLACEHOLDERS else value
-
-
-def data_lines(output):
-    return [line for line in output.splitlines() if line.strip() and NO_PROCESSES not in line]
-
-
-def parse_gpus(output):
-    """Rows of --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu. The name is
-    the only free-text field, so a comma in it is rejoined from the fields around it."""
-    gpus = []
-    for line in data_lines(output):
-        fields = line.split(",")
-        if len(fields) < 6:
-            raise NvidiaSmiError(f"unexpected nvidia-smi GPU line (want 6 fields): {line!r}")
-        index, uuid, *name, used, total, util = fields
-        gpus.append({
-            "index": parse_number(index, "index", line),
-            "uuid": parse_text(uuid),
-            "name": parse_text(",".join(name)),
-            "memory_used_mib": parse_number(used, "memory.used", line),
-            "memory_total_mib": parse_number(total, "memory.total", line),
-            "utilization_pct": parse_number(util, "utilization.gpu", line),
-        })
-    return gpus
-
-
-def parse_processes(output, gpus):
-    """Rows of --query-compute-apps=pid,gpu_uuid,used_memory, with the GPU index looked up."""
+def with_gpu_index(processes, gpus):
+    """COMPUTE_APPS rows with the index of their GPU looked up (None for a MIG instance's uuid) and the
+    container fields that map_containers fills on the node."""
     index_of = {gpu["uuid"]: gpu["index"] for gpu in gpus if gpu["uuid"]}
-    processes = []
-    for line in data_lines(output):
-        fields = line.split(",")
-        if len(fields) != 3:
-            raise NvidiaSmiError(f"unexpected nvidia-smi process line (want 3 fields): {line!r}")
-        uuid = parse_text(fields[1])
-        processes.append({
-            "pid": parse_number(fields[0], "pid", line),
-            "gpu_uuid": uuid,
-            "gpu_index": index_of.get(uuid),
-            "used_memory_mib": parse_number(fields[2], "used_memory", line),
-            "vmid": None,
-            "container_pid": None,
-        })
-    return processes
-
-
-def explain_failure(rc, output):
-    """A message for a failed nvidia-smi run: the known cause, else the meaning of its exit code."""
-    text = " ".join(output.split())
-    for marker, cause in KNOWN_FAILURES:
-        if marker.lower() in text.lower():
-            return f"{cause} (nvidia-smi exit {rc}: {text})"
-    meaning = EXIT_CODES.get(rc, "unknown exit code")
-    return f"nvidia-smi failed with exit {rc} ({meaning}): {text or 'no output'}"
+    return [dict(process, gpu_index=index_of.get(process["gpu_uuid"]), vmid=None, container_pid=None)
+            for process in processes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,43 +281,17 @@ def render_table(gpus, processes, max_memory_mib):
 
 
 # ---------------------------------------------------------------------------------------------
-# Running nvidia-smi
-
-
-def run_nvidia_smi(executable, query):
-    """stdout of one query, or None when nvidia-smi lists no device; raises NvidiaSmiError with the cause."""
-    try:
-        proc = subprocess.run([executable, query, CSV_FORMAT], capture_output=True, text=True, check=False,
-                              timeout=NVIDIA_SMI_TIMEOUT, env=dict(os.environ, LC_ALL="C"))
-    except subprocess.TimeoutExpired:
-        raise NvidiaSmiError(f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT}s ({query})") from None
-    except OSError as exc:
-        raise NvidiaSmiError(f"cannot run {executable}: {exc.strerror}") from None
-    output = (proc.stdout + "\n" + proc.stderr).strip()
-    if NO_DEVICES in output:
-        return None
-    if proc.returncode != 0:
-        raise NvidiaSmiError(explain_failure(proc.returncode, output))
-    return proc.stdout
+# Reading nvidia-smi
 
 
 def observe(executable, map_vmids):
-    gpu_output = run_nvidia_smi(executable, GPU_QUERY)
-    if gpu_output is None:
+    gpus = GPU_LOAD.read(executable)
+    if not gpus:
         return [], []
-    gpus = parse_gpus(gpu_output)
-    processes = parse_processes(run_nvidia_smi(executable, APPS_QUERY) or "", gpus)
+    processes = with_gpu_index(COMPUTE_APPS.read(executable), gpus)
     if map_vmids:
         map_containers(processes)
     return gpus, processes
-
-
-def find_executable(name):
-    if "/" in name:
-        return name if os.access(name, os.X_OK) and os.path.isfile(name) else None
-    # sbin and /usr/local/bin are not always on the PATH of a non-interactive connection.
-    extra = os.pathsep.join(("/usr/bin", "/usr/local/bin", "/usr/sbin", "/bin"))
-    return shutil.which(name, path=os.environ.get("PATH", "") + os.pathsep + extra)
 
 
 def main():

@@ -120,17 +120,21 @@ containers:
   sample: [200, 201]
 """
 
-import os
 import re
-import shutil
 import socket
-import subprocess
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_of_pid
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
+    COMPUTE_APPS,
+    GPU_IDS,
+    PROGRAM,
+    NvidiaSmiError,
+    cannot_run,
+    find_executable,
+)
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
-    CANNOT_RUN_CODES,
     PCT_ARGUMENTS,
     READ_TIMEOUT,
     START_TIMEOUT,
@@ -150,12 +154,11 @@ ARGUMENT_SPEC = dict(
 GPU_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")
 # What CUDA needs besides the GPUs: the driver's control device and the unified memory device.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
-# nvidia-smi in the container (one GPU a line; the driver installs it in /usr/bin, on the PATH pct forces:
-# /sbin:/bin:/usr/sbin:/usr/bin) and on the node (its compute processes).
-NVIDIA_SMI_ARGV = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
-NODE_APPS_ARGV = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                  "--format=csv,noheader,nounits"]
-GPU_INDEX_LINE = re.compile(r"^\s*([0-9]+)\s*(?:,\s*(\S+))?\s*$")
+# nvidia-smi in the container, by name: the driver installs it in /usr/bin, on the PATH pct forces
+# (/sbin:/bin:/usr/sbin:/usr/bin).
+CONTAINER_NVIDIA_SMI = [PROGRAM, *GPU_IDS.argv]
+
+
 # ---------------------------------------------------------------------------------------------
 # Judging (pure)
 
@@ -196,34 +199,25 @@ def passthrough_problem(vmid, node, devices):
             "restart it.")
 
 
-def gpu_uuids(nvidia_smi_output):
-    """The UUIDs by index of `nvidia-smi --query-gpu=index,uuid` (an index alone gives no UUID)."""
-    found = [GPU_INDEX_LINE.match(line) for line in nvidia_smi_output.splitlines()]
-    return [m.group(2) for m in sorted((m for m in found if m), key=lambda m: int(m.group(1)))]
-
-
-def gpu_count(nvidia_smi_output):
-    return sum(1 for line in nvidia_smi_output.splitlines() if GPU_INDEX_LINE.match(line))
-
-
-def gpu_holders(apps_output, uuids, required_gpus, vmid, vmid_of_pid):
+def gpu_holders(processes, uuids, required_gpus, vmid, vmid_of_pid):
     """(index, uuid, owner, pid, MiB) of every process of another container or the node on a required
-    GPU, from the node's `nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory`."""
+    GPU, from the node's COMPUTE_APPS rows."""
     wanted = {uuids[i]: i for i in required_gpus if i < len(uuids) and uuids[i]}
     holders = []
-    for line in apps_output.splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) != 3 or fields[1] not in wanted or not fields[0].isdigit():
+    for process in processes:
+        uuid, pid = process["gpu_uuid"], process["pid"]
+        if uuid not in wanted or pid is None:
             continue
-        owner = vmid_of_pid(int(fields[0]))
+        owner = vmid_of_pid(pid)
         if owner != vmid:
-            holders.append((wanted[fields[1]], fields[1], owner, int(fields[0]), fields[2]))
+            holders.append((wanted[uuid], uuid, owner, pid, process["used_memory_mib"]))
     return sorted(holders, key=lambda h: (h[0], h[3]))
 
 
 def shared_gpu_message(vmid, node, holders):
     held = "; ".join(f"GPU {index} ({uuid}) by {'CT ' + str(owner) if owner else 'the node itself'} "
-                     f"(pid {pid}, {mib} MiB)" for index, uuid, owner, pid, mib in holders)
+                     f"(pid {pid}, {'?' if mib is None else mib} MiB)"
+                     for index, uuid, owner, pid, mib in holders)
     others = sorted({holder[2] for holder in holders if holder[2]})
     return (f"CT {vmid} on node {node}: GPUs of the run's layout are in use outside this container: {held}. "
             "Two containers are given the same GPU: stop what runs there"
@@ -252,18 +246,28 @@ def start_failed_message(vmid, node, answer):
             f"with ls -l /dev/nvidia* on {node}.")
 
 
-def nvidia_smi_problem(vmid, node, answer, required_gpus):
-    """Why nvidia-smi in the container does not show the run's GPUs (None when it does)."""
-    if answer.rc in CANNOT_RUN_CODES:
-        return (f"nvidia-smi is missing in CT {vmid} on node {node} ({answer.stderr.strip()}). Install the "
-                "NVIDIA driver's user-space tools in the container (the node's driver version, without the "
-                "kernel module), or set dflash_run_verify_gpus: false for a run without GPUs.")
+def container_gpus(vmid, node, answer):
+    """The GPU_IDS rows of nvidia-smi in the container, by index; raises CheckFailed when nvidia-smi is
+    missing there, fails, or answers lines it cannot read."""
+    if cannot_run(answer.rc):
+        raise CheckFailed(
+            f"nvidia-smi is missing in CT {vmid} on node {node} ({answer.stderr.strip()}). Install the "
+            "NVIDIA driver's user-space tools in the container (the node's driver version, without the "
+            "kernel module), or set dflash_run_verify_gpus: false for a run without GPUs.")
+    fix = (f"Check the driver on the node (nvidia-smi on {node}), that the container's user-space driver has "
+           f"the node's version, and the container's GPU passthrough (pct config {vmid}).")
     if answer.rc != 0:
         output = f"{answer.stdout.strip()} {answer.stderr.strip()}".strip()
-        return (f"nvidia-smi fails in CT {vmid} on node {node} (exit {answer.rc}): {output} Check the driver "
-                f"on the node (nvidia-smi on {node}), that the container's user-space driver has the node's "
-                f"version, and the container's GPU passthrough (pct config {vmid}).")
-    count = gpu_count(answer.stdout)
+        raise CheckFailed(f"nvidia-smi fails in CT {vmid} on node {node} (exit {answer.rc}): {output} {fix}")
+    try:
+        gpus = GPU_IDS.parse(answer.stdout)
+    except NvidiaSmiError as exc:
+        raise CheckFailed(f"nvidia-smi in CT {vmid} on node {node}: {exc}. {fix}") from None
+    return sorted(gpus, key=lambda gpu: (gpu["index"] is None, gpu["index"]))
+
+
+def layout_problem(vmid, node, count, required_gpus):
+    """Why the run's GPU layout does not fit the container's `count` GPUs (None when it does)."""
     beyond = [gpu for gpu in required_gpus if gpu >= count]
     if beyond:
         return (f"CT {vmid} on node {node} has {count} GPU(s) (nvidia-smi in the container: indices "
@@ -304,30 +308,28 @@ def check(pct, params, check_mode, result, vmid_of_pid=vmid_of_pid):
             raise CheckFailed(problem)
 
     if params["required_gpus"] and running:
-        smi = pct("exec", vmid, "--", *NVIDIA_SMI_ARGV)
-        problem = nvidia_smi_problem(vmid, node, smi, params["required_gpus"])
+        gpus = container_gpus(vmid, node, pct("exec", vmid, "--", *CONTAINER_NVIDIA_SMI))
+        problem = layout_problem(vmid, node, len(gpus), params["required_gpus"])
         if problem:
             raise CheckFailed(problem)
-        result["gpu_count"] = gpu_count(smi.stdout)
-        result["gpu_uuids"] = gpu_uuids(smi.stdout)
-        apps = node_compute_apps()
-        holders = gpu_holders(apps, result["gpu_uuids"], params["required_gpus"], vmid, vmid_of_pid)
+        result["gpu_count"] = len(gpus)
+        result["gpu_uuids"] = [gpu["uuid"] for gpu in gpus]
+        holders = gpu_holders(node_compute_apps(), result["gpu_uuids"], params["required_gpus"], vmid,
+                              vmid_of_pid)
         if holders:
             raise CheckFailed(shared_gpu_message(vmid, node, holders))
 
 
 def node_compute_apps():
-    """The node's compute processes (empty when the node has no nvidia-smi or it fails)."""
-    executable = shutil.which(NODE_APPS_ARGV[0], path=os.environ.get("PATH", "") + os.pathsep + "/usr/bin")
+    """The node's COMPUTE_APPS rows; none when the node has no nvidia-smi or it fails, since GPUs held
+    elsewhere are the one check the node's own nvidia-smi is needed for."""
+    executable = find_executable()
     if executable is None:
-        return ""
+        return []
     try:
-        proc = subprocess.run([executable, *NODE_APPS_ARGV[1:]], capture_output=True, text=True,
-                              check=False, timeout=READ_TIMEOUT, stdin=subprocess.DEVNULL,
-                              env=dict(os.environ, LC_ALL="C"))
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+        return COMPUTE_APPS.read(executable, timeout=READ_TIMEOUT)
+    except NvidiaSmiError:
+        return []
 
 
 def summary(vmid, node, result):

@@ -190,6 +190,12 @@ import socket
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
+    GPU_DEVICES,
+    PROGRAM,
+    NvidiaSmiError,
+    cannot_run,
+)
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     PCT_ARGUMENTS,
     START_TIMEOUT,
@@ -222,7 +228,6 @@ ARGUMENT_SPEC = dict(
     run_live=dict(type="bool", default=False),
     start=dict(type="bool", default=True),
 )
-NODE_GPUS_ARGS = ["--query-gpu=index,uuid,minor_number,driver_version", "--format=csv,noheader,nounits"]
 # Keys pct set cannot change on an existing container (API2/LXC/Config.pm: unprivileged is fixed at
 # create; a root disk grows with pct resize).
 FIXED_KEYS = ("rootfs", "unprivileged")
@@ -326,20 +331,19 @@ def applied(actual, diffs):
 
 
 def node_gpus(pct):
-    """[{index, uuid, minor, driver}] of the node's nvidia-smi; [] when the node has none."""
-    answer = pct.tool("nvidia-smi", *NODE_GPUS_ARGS, as_root=False)
-    if answer.rc is None or answer.rc in (126, 127):
+    """The GPU_DEVICES rows {index, uuid, minor, driver} of the node's nvidia-smi, those without a device
+    node (a minor number nvidia-smi cannot give) left out; [] when the node has no nvidia-smi."""
+    answer = pct.tool(PROGRAM, *GPU_DEVICES.argv, as_root=False)
+    if cannot_run(answer.rc):
         return []
+    fix = "Check the NVIDIA driver on the node before passing its GPUs through."
     if answer.rc != 0:
-        raise CheckFailed(f"nvidia-smi fails on node {pct.node} (exit {answer.rc}): {said(answer)}. "
-                          "Check the NVIDIA driver on the node before passing its GPUs through.")
-    gpus = []
-    for line in answer.stdout.splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) == 4 and fields[0].isdigit() and fields[2].isdigit():
-            gpus.append({"index": int(fields[0]), "uuid": fields[1], "minor": int(fields[2]),
-                         "driver": fields[3]})
-    return gpus
+        raise CheckFailed(f"nvidia-smi fails on node {pct.node} (exit {answer.rc}): {said(answer)}. {fix}")
+    try:
+        gpus = GPU_DEVICES.parse(answer.stdout)
+    except NvidiaSmiError as exc:
+        raise CheckFailed(f"nvidia-smi on node {pct.node}: {exc}. {fix}") from None
+    return [gpu for gpu in gpus if gpu["index"] is not None and gpu["minor"] is not None]
 
 
 def check_gpus_exist(pct, vmid, wanted, gpus):
