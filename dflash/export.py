@@ -112,16 +112,21 @@ llm = LLM(model="<target>", speculative_config={{
     "method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {draft_tokens}}})
 ```
 
-or `--speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens":
-{draft_tokens}}}'` on the command line. Always pass `"method": "dflash"` (vLLM guesses it only from a
-path containing "dflash") and `num_speculative_tokens` = {draft_tokens}: vLLM ignores `block_size`,
-and another count still gives correct output, with far fewer tokens accepted.
+or on the command line:
+
+```
+--speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {draft_tokens}}}'
+```
+
+Always pass `"method": "dflash"` (vLLM guesses it only from a path containing "dflash") and
+`num_speculative_tokens` = {draft_tokens}: vLLM ignores `block_size`, and another count still gives
+correct output, with far fewer tokens accepted.
 
 ## SGLang
 
 ```
-python -m sglang.launch_server --model-path <target> \\
-    --speculative-algorithm DFLASH --speculative-draft-model-path {out_dir}
+python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path {out_dir}
 ```
 
 SGLang reads the block size from `dflash_config`. It skips weight names it does not know without
@@ -129,12 +134,17 @@ a word: this directory's names are `fc`, `hidden_norm`, `layers.*`, `norm`.
 
 ## The public DFlash code (z-lab/dflash, transformers 4.57.1)
 
-Its `DFlashDraftModel.from_pretrained("{out_dir}")` loads the weights strictly.
-`AutoModel.from_pretrained("{out_dir}", trust_remote_code=True)` builds this directory's own
-class (`modeling_dflash.py`, with the layers the drafter was trained with in `model.py`):
-`model(target_hidden, noise_embedding, position_ids)` gives the block's hidden states, and the
-target's lm_head its logits. config.json carries the RoPE base both as `rope_parameters`
-(transformers 5) and as `rope_theta` (transformers 4).
+```python
+from transformers import AutoModel
+
+drafter = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True)
+```
+
+builds this directory's own class (`modeling_dflash.py`, running the layers the drafter was
+trained with, `model.py`) with every weight in place: `drafter(target_hidden, noise_embedding,
+position_ids)` gives the block's hidden states, the target's lm_head their logits. The public
+code's own `DFlashDraftModel.from_pretrained` loads the directory strictly too. config.json carries
+the RoPE base both as `rope_parameters` (transformers 5) and as `rope_theta` (transformers 4).
 """
 
 
