@@ -135,15 +135,20 @@ a word: this directory's names are `fc`, `hidden_norm`, `layers.*`, `norm`.
 ## The public DFlash code (z-lab/dflash, transformers 4.57.1)
 
 ```python
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM
 
-drafter = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True)
+draft = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True)
+target = AutoModelForCausalLM.from_pretrained("<target>")
+output = draft.spec_generate(input_ids=input_ids, max_new_tokens=256, temperature=0.0, target=target,
+                             stop_token_ids=[tokenizer.eos_token_id])
 ```
 
 builds this directory's own class (`modeling_dflash.py`, running the layers the drafter was
-trained with, `model.py`) with every weight in place: `drafter(target_hidden, noise_embedding,
-position_ids)` gives the block's hidden states, the target's lm_head their logits. The public
-code's own `DFlashDraftModel.from_pretrained` loads the directory strictly too. config.json carries
+trained with, `model.py`) with every weight in place. `spec_generate` is greedy and keeps no KV
+cache: it checks the drafter (its output is the target's greedy output), engines serve it fast.
+`draft(target_hidden, noise_embedding, position_ids)` gives a block's hidden states, the target's
+lm_head their logits. The public code's own `DFlashDraftModel.from_pretrained` loads the directory
+strictly too. config.json carries
 the RoPE base both as `rope_parameters` (transformers 5) and as `rope_theta` (transformers 4).
 """
 

@@ -1,6 +1,6 @@
 """Load an export the way the serving side does, with whatever transformers this Python has.
 
-    python export_compat_check.py EXPORT_DIR INPUTS.safetensors OUT_DIR
+    python export_compat_check.py EXPORT_DIR TARGET_DIR INPUTS.safetensors OUT_DIR
 
 Run by tests/dflash/test_export_compat.py under the project's transformers and under the one the
 public DFlash code pins (4.57.1, in the venv of `make compat-venv`). It imports nothing of this
@@ -9,7 +9,9 @@ transformers version, the loading info of `AutoModel.from_pretrained(EXPORT_DIR,
 trust_remote_code=True)`, the class it built, the config's RoPE base) and OUT_DIR/result.safetensors:
 `public_inv_freq` (transformers' own Qwen3RotaryEmbedding of the exported config, what the public
 code builds) and, when it built the drafter, `model_inv_freq` (the loaded model's) and `logits` (the
-block's, through the target's lm_head given in INPUTS).
+block's, through the target's lm_head given in INPUTS), and `spec_generate` / `greedy`: the
+public code's `draft.spec_generate(...)` call and the target's own greedy `generate` on INPUTS'
+`prompt`, both ending at INPUTS' `stop_token_id`.
 """
 
 import json
@@ -19,11 +21,11 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 
-def main(export_dir: str, inputs_path: str, out_dir: str) -> int:
+def main(export_dir: str, target_dir: str, inputs_path: str, out_dir: str) -> int:
     torch.set_num_threads(1)  # the same reduction order as the reference computed in the test
     inputs = load_file(inputs_path)
     config = AutoConfig.from_pretrained(export_dir)
@@ -49,6 +51,14 @@ def main(export_dir: str, inputs_path: str, out_dir: str) -> int:
                            attention_mask=inputs["attention_mask"])
         tensors["logits"] = torch.nn.functional.linear(hidden[0], inputs["lm_head"]).contiguous()
         tensors["model_inv_freq"] = model.inv_freq.float().contiguous()
+        target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+        prompt, stop = inputs["prompt"][None], int(inputs["stop_token_id"])
+        with torch.no_grad():
+            tensors["greedy"] = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                                do_sample=False, max_new_tokens=24, eos_token_id=stop,
+                                                pad_token_id=stop)[0].contiguous()
+        tensors["spec_generate"] = model.spec_generate(input_ids=prompt, max_new_tokens=24, temperature=0.0,
+                                                       target=target, stop_token_ids=[stop])[0].contiguous()
     save_file(tensors, str(out / "result.safetensors"))
     return 0
 

@@ -1,7 +1,8 @@
 """An export reloads on the serving side: under the project's transformers and under 4.57.1 (what the
 public DFlash code pins), `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter
 with no missing or unexpected weights, its RoPE frequencies are the target's (a base of 1e6, not
-Qwen3Config's default 10000), and its block logits are ours.
+Qwen3Config's default 10000), its block logits are ours, and the public code's
+`draft.spec_generate(...)` gives the target's greedy output.
 
 Each load runs `export_compat_check.py` in a fresh interpreter that does not see this package: the
 export directory has to carry everything. The 4.57.1 interpreter is the venv of `make compat-venv`.
@@ -42,6 +43,9 @@ def exports(tmp_path_factory, tiny_dataset):
     root = tmp_path_factory.mktemp("compat")
     target_dir = make_tiny_target(root / "target",
                                   rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
+    # Qwen3's own config.json has the top-level form too, so transformers 4 loads the target right.
+    target_config = json.loads((target_dir / "config.json").read_text())
+    (target_dir / "config.json").write_text(json.dumps({**target_config, "rope_theta": ROPE_THETA}))
     raw = _tiny_config_dict(target_dir, tiny_dataset, root / "run",
                             model={"num_draft_layers": 2, "block_size": 4}, optim={"total_steps": 3})
     assert run_single_process(config_from_dict(raw)) == 0
@@ -63,6 +67,13 @@ def exports(tmp_path_factory, tiny_dataset):
     inputs = {"target_hidden": context[None], "position_ids": positions[None], "attention_mask": mask,
               "noise_embedding": target.get_input_embeddings()(block_ids)[None],
               "lm_head": target.get_output_embeddings().weight}
+    # A stop token that the target's greedy continuation of the prompt reaches after a few tokens.
+    prompt = torch.tensor([3, 17, 29, 41, 5, 66])
+    with torch.no_grad():
+        greedy = target.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None],
+                                 do_sample=False, max_new_tokens=24)[0, len(prompt):]
+    stop_at = next(i for i in range(8, len(greedy)) if greedy[i] not in greedy[:i])
+    inputs.update(prompt=prompt, stop_token_id=greedy[stop_at])
     save_file({k: v.detach().contiguous() for k, v in inputs.items()}, str(root / "inputs.safetensors"))
 
     def logits(drafter):
@@ -70,7 +81,8 @@ def exports(tmp_path_factory, tiny_dataset):
             return drafter.logits(drafter(context, positions[:n], block_ids, positions[n:], mask))
 
     ours = {dtype: logits(load_export(root / dtype, target)[0]) for dtype in DTYPES}
-    return {"root": root, "target": target, "ours": ours, "checkpoint": logits(trained)}
+    return {"root": root, "target_dir": target_dir, "target": target, "ours": ours,
+            "checkpoint": logits(trained), "greedy": torch.cat([prompt, greedy[:stop_at + 1]])}
 
 
 def check_export(python: Path | str, exports: dict, dtype: str, tmp_path: Path) -> dict:
@@ -79,7 +91,7 @@ def check_export(python: Path | str, exports: dict, dtype: str, tmp_path: Path) 
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "HF_HOME")}
     # Remote code is copied into HF_MODULES_CACHE: a private one, so no test shares or leaves one.
     env.update(HF_MODULES_CACHE=str(modules), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    run = subprocess.run([str(python), str(CHECK_SCRIPT), str(export_dir),
+    run = subprocess.run([str(python), str(CHECK_SCRIPT), str(export_dir), str(exports["target_dir"]),
                           str(exports["root"] / "inputs.safetensors"), str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -94,6 +106,9 @@ def check_export(python: Path | str, exports: dict, dtype: str, tmp_path: Path) 
     assert torch.equal(tensors["model_inv_freq"], target_inv_freq)
     # Ours reloads the same export in fp32, as the check does: the same weights, the same layers.
     assert torch.equal(tensors["logits"], exports["ours"][dtype])
+    # The public code's call: the target's greedy output, up to and including the stop token.
+    assert torch.equal(tensors["greedy"], exports["greedy"])
+    assert torch.equal(tensors["spec_generate"], exports["greedy"])
     if dtype == "bfloat16":
         torch.testing.assert_close(tensors["logits"], exports["checkpoint"], rtol=0, atol=2e-2)
     else:
