@@ -137,19 +137,19 @@ a word: this directory's names are `fc`, `hidden_norm`, `layers.*`, `norm`.
 ```python
 from transformers import AutoModel, AutoModelForCausalLM
 
-draft = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True)
-target = AutoModelForCausalLM.from_pretrained("<target>")
+draft = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True, dtype="auto")
+target = AutoModelForCausalLM.from_pretrained("<target>", dtype="auto")
 output = draft.spec_generate(input_ids=input_ids, max_new_tokens=256, temperature=0.0, target=target,
                              stop_token_ids=[tokenizer.eos_token_id])
 ```
 
-builds this directory's own class (`modeling_dflash.py`, running the layers the drafter was
-trained with, `model.py`) with every weight in place. `spec_generate` is greedy and keeps no KV
-cache: it checks the drafter (its output is the target's greedy output), engines serve it fast.
+`AutoModel` builds this directory's own class (`modeling_dflash.py`, running `model.py`, the layers
+the drafter was trained with) with every weight in place. Its `spec_generate` is greedy and keeps no
+KV cache: it checks the drafter (the output is the target's greedy output); engines serve it fast.
 `draft(target_hidden, noise_embedding, position_ids)` gives a block's hidden states, the target's
 lm_head their logits. The public code's own `DFlashDraftModel.from_pretrained` loads the directory
-strictly too. config.json carries
-the RoPE base both as `rope_parameters` (transformers 5) and as `rope_theta` (transformers 4).
+strictly too. config.json carries the RoPE base both as `rope_parameters` (transformers 5) and as
+`rope_theta` (transformers 4).
 """
 
 
@@ -176,9 +176,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         raise FileNotFoundError(f"the checkpoint's target has no config at {target_config_path}")
     problem = mask_token_problem(drafter_cfg.mask_token_id, meta["target_path"], drafter_cfg.vocab_size)
     if problem is not None:
-        # The weights were trained with this mask: exporting another would not work either.
-        print(json.dumps({"event": "warning", "message": f"the checkpoint's mask token: {problem}"}),
-              file=sys.stderr)
+        # The weights learnt this mask, so the export keeps it; only training again changes it.
+        message = f"the checkpoint's mask token: {problem} (for this checkpoint: by training again)"
+        print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
     out_dir = ensure_dir(out_dir)

@@ -5,6 +5,7 @@ the same block logits."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,25 @@ def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_
     assert f'"num_speculative_tokens": {block_size - 1}' in readme and f'"model": "{out}"' in readme
     assert "--speculative-algorithm DFLASH" in readme and "trust_remote_code=True" in readme
     assert f"mask token {config['dflash_config']['mask_token_id']}" in readme
+
+
+def test_a_checkpoint_whose_mask_is_a_stop_token_exports_with_a_warning(exported, make_target, tmp_path,
+                                                                        capsys):
+    checkpoint, _, _ = exported
+    old = tmp_path / "old-checkpoint"
+    shutil.copytree(checkpoint, old)
+    meta = json.loads((old / "meta.json").read_text())
+    mask = meta["drafter_config"]["mask_token_id"]
+    # The same target, as a release whose eos is the token the checkpoint was trained to mask with.
+    meta["target_path"] = str(make_target("eos-is-mask", eos_token_id=mask))
+    (old / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert export_main(["--checkpoint", str(old), "--out", str(tmp_path / "out")]) == 0
+    (warning,) = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert warning["event"] == "warning"
+    assert f"{mask} is the target's config.json eos_token_id" in warning["message"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == mask  # the mask the weights learnt
 
 
 def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
