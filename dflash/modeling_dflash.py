@@ -38,9 +38,10 @@ class DFlashDraftModel(DraftStack, PreTrainedModel):
     """A DFlash drafter: given the target's hidden states of the context and the embedded block
     `[anchor, mask, ..., mask]`, the hidden states of the block after the final norm."""
 
+    # config.json's model_type is qwen3 (what engines read); AutoModel refuses a class registered
+    # for another config class.
     config_class = Qwen3Config
-    base_model_prefix = "model"
-    _no_split_modules = ["DraftLayer"]
+    _no_split_modules = ["DraftLayer"]  # device_map="auto" keeps each layer on one device
 
     def __init__(self, config: Qwen3Config):
         PreTrainedModel.__init__(self, config)
