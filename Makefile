@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
 
-.PHONY: help setup peer-suites test test-reliability lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml
 # at the versions the venv runs (tests/pvesim/test_peer_suites.py runs them with an inventory of ours).
 peer-suites: setup ## Fetch the connection test suites of ansible-core and community.proxmox (silent when there).
 	@$(PY) scripts/peer_suites.py
+
+# transformers 4.57.1 (what the public DFlash code pins) beside torch 2.13.0, from the package index
+# (tests/dflash/test_export_compat.py reloads an export under it; it skips while this venv is missing).
+compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export tests (silent when there).
+	@python3 scripts/compat_venv.py
 
 test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash.config import ConfigError
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
 
@@ -134,6 +135,21 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     meta = json.loads((path / "meta.json").read_text())
     return model_state, trainer_state, meta
+
+
+def keep_trained_mask_token(drafter_cfg: DrafterConfig, meta: dict, configured: int | None) -> None:
+    """Give a drafter rebuilt from the run's config (`drafter_cfg`, changed in place) the mask token
+    that the checkpoint with `meta` was trained with: the default has changed over time, and the
+    weights only work with the mask they learnt. A configured mask (`configured`, model.mask_token_id)
+    other than the checkpoint's is refused."""
+    trained = meta.get("drafter_config", {}).get("mask_token_id")
+    if trained is None or trained == drafter_cfg.mask_token_id:
+        return
+    if configured is not None:
+        raise ConfigError("model.mask_token_id", f"{configured} differs from {trained}, the mask token "
+                          "the checkpoint was trained with; set it to null (or the checkpoint's) to "
+                          "resume, or train from scratch in another run.output_dir")
+    drafter_cfg.mask_token_id = trained
 
 
 def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from dflash.devices import visible_devices
+from dflash.mask_token import mask_token_problem
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -392,16 +393,16 @@ def target_shape(target_path: str) -> tuple[int, int]:
 
 def check_against_target(cfg: TrainConfig) -> None:
     """Checks that need the target on disk: it exists, the layer ids are within its depth and the
-    mask token within its vocabulary."""
+    mask token within its embedding and none of its stop or pad tokens."""
     n_layers, vocab_size = target_shape(cfg.model.target_path)
     ids = cfg.model.target_layer_ids
     if ids is not None and max(ids) >= n_layers:
         raise ConfigError("model.target_layer_ids", f"{ids} out of range for a target with {n_layers} layers "
                           f"(valid ids are 0..{n_layers - 1})")
     mask = cfg.model.mask_token_id
-    if mask is not None and mask >= vocab_size:
-        raise ConfigError("model.mask_token_id", f"{mask} is outside the target's vocabulary "
-                          f"(ids 0..{vocab_size - 1})")
+    problem = None if mask is None else mask_token_problem(mask, cfg.model.target_path, vocab_size)
+    if problem is not None:
+        raise ConfigError("model.mask_token_id", problem)
 
 
 def check_data(cfg: TrainConfig) -> None:

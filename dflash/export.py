@@ -1,17 +1,25 @@
 """Export a trained drafter for serving: `python -m dflash.export --checkpoint <dir> --out <dir>`.
 
 The output is a Hugging Face-style directory in the layout of the public DFlash inference code
-(z-lab/dflash, `DFlashDraftModel`, a Qwen3 decoder stack; SGLang's DFlash drafter reads the same):
+(z-lab/dflash, `DFlashDraftModel`, a Qwen3 decoder stack), which vLLM, SGLang and TensorRT-LLM
+load as a DFlash drafter (docs/SERVING.md says how):
 
 - `config.json`: a Qwen3 config with the drafter's shapes (`num_hidden_layers` = draft layers;
   hidden size, heads, head_dim, RoPE, norm epsilon, vocabulary and position limit from the target),
   `architectures: ["DFlashDraftModel"]`, `is_causal: false` (attention inside a block is
   bidirectional), `num_target_layers`, `block_size`, and
-  `dflash_config: {block_size, mask_token_id, target_layer_ids}`;
-- `model.safetensors`: the trained weights under the names that code loads (`fc.weight`,
-  `hidden_norm.weight`, `layers.<i>.self_attn.{q,k,v,o}_proj.weight`, `...q_norm/k_norm`,
-  `layers.<i>.mlp.{gate,up,down}_proj.weight`, the layer norms, `norm.weight`). The embedding and
-  lm_head are the target's own and are not exported: the serving side takes them from the target.
+  `dflash_config: {block_size, mask_token_id, target_layer_ids}`. The RoPE base is written both as
+  transformers 5 reads it (`rope_parameters`) and as transformers 4 does (top-level `rope_theta`,
+  `rope_scaling`): a 4.x reader without the latter silently falls back to a base of 10000.
+  `auto_map` names `modeling_dflash.DFlashDraftModel` for `AutoModel(..., trust_remote_code=True)`;
+- `model.safetensors`: the trained weights (bfloat16 unless `--dtype float32`) under the names that
+  code loads (`fc.weight`, `hidden_norm.weight`, `layers.<i>.self_attn.{q,k,v,o}_proj.weight`,
+  `...q_norm/k_norm`, `layers.<i>.mlp.{gate,up,down}_proj.weight`, the layer norms, `norm.weight`).
+  The embedding and lm_head are the target's own and are not exported: the serving side takes them
+  from the target;
+- `modeling_dflash.py` and `model.py`: this package's `dflash/modeling_dflash.py` and
+  `dflash/model.py`, unchanged (the class `auto_map` names, and the layers it was trained with);
+- `README.md`: how to serve this drafter, its speculative token count (block_size - 1) filled in.
 
 `load_export(dir, target)` rebuilds a `DFlashDrafter` from such a directory.
 """
@@ -28,12 +36,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash import model as model_module
+from dflash import modeling_dflash
 from dflash.checkpoint import load_checkpoint
+from dflash.mask_token import mask_token_problem
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode, write_file
 from dflash.target import DTYPES
 
 ARCHITECTURE = "DFlashDraftModel"
+DEFAULT_DTYPE = "bfloat16"
+# The code an export carries: the transformers class that auto_map names and the layers it runs.
+CODE_FILES = (Path(modeling_dflash.__file__), Path(model_module.__file__))
+AUTO_MAP = {"AutoModel": f"{Path(modeling_dflash.__file__).stem}.{ARCHITECTURE}"}
 
 
 def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_config: dict,
@@ -44,6 +59,7 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
               "target_layer_ids": list(layer_ids)}
     return {
         "architectures": [ARCHITECTURE],
+        "auto_map": AUTO_MAP,
         "model_type": "qwen3",
         "hidden_size": drafter_cfg.hidden_size,
         "intermediate_size": drafter_cfg.intermediate_size,
@@ -55,6 +71,8 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
         "vocab_size": drafter_cfg.vocab_size,
         "rms_norm_eps": drafter_cfg.rms_norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": drafter_cfg.rope_theta},
+        "rope_theta": drafter_cfg.rope_theta,  # transformers 4.x reads only these two
+        "rope_scaling": None,
         "max_position_embeddings": target.get("max_position_embeddings"),
         "hidden_act": "silu",
         "attention_bias": False,
@@ -75,16 +93,92 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
     }
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+SERVING_README = """# DFlash drafter
+
+A DFlash speculative-decoding drafter ({layers} draft layers, block size {block_size}, {dtype}) for a
+{target_type} target with {target_layers} layers. It conditions on the target's layers
+{layer_ids} (`dflash_config.target_layer_ids`; hidden_states[id + 1]) and fills each block with
+the mask token {mask} (`dflash_config.mask_token_id`). It has no embedding or lm_head of its own:
+the engine uses the target's. Serve it with the target it was trained for.
+
+Every engine proposes block_size - 1 = {draft_tokens} tokens per step.
+
+## vLLM
+
+```python
+from vllm import LLM
+
+llm = LLM(model="<target>", speculative_config={{
+    "method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {draft_tokens}}})
+```
+
+or on the command line:
+
+```
+--speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {draft_tokens}}}'
+```
+
+Always pass `"method": "dflash"` (vLLM guesses it only from a path containing "dflash") and
+`num_speculative_tokens` = {draft_tokens}: vLLM ignores `block_size`, and another count still gives
+correct output, with far fewer tokens accepted.
+
+## SGLang
+
+```
+python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path {out_dir}
+```
+
+SGLang reads the block size from `dflash_config`. It skips weight names it does not know without
+a word: this directory's names are `fc`, `hidden_norm`, `layers.*`, `norm`.
+
+## The public DFlash code (z-lab/dflash, transformers 4.57.1)
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM
+
+draft = AutoModel.from_pretrained("{out_dir}", trust_remote_code=True, dtype="auto")
+target = AutoModelForCausalLM.from_pretrained("<target>", dtype="auto")
+output = draft.spec_generate(input_ids=input_ids, max_new_tokens=256, temperature=0.0, target=target,
+                             stop_token_ids=[tokenizer.eos_token_id])
+```
+
+`AutoModel` builds this directory's own class (`modeling_dflash.py`, running `model.py`, the layers
+the drafter was trained with) with every weight in place. Its `spec_generate` is greedy and keeps no
+KV cache: it checks the drafter (the output is the target's greedy output); engines serve it fast.
+`draft(target_hidden, noise_embedding, position_ids)` gives a block's hidden states, the target's
+lm_head their logits. The public code's own `DFlashDraftModel.from_pretrained` loads the directory
+strictly too. config.json carries the RoPE base both as `rope_parameters` (transformers 5) and as
+`rope_theta` (transformers 4).
+"""
+
+
+def serving_readme(config: dict, out_dir: Path) -> str:
+    """The README.md of an export whose config.json is `config`."""
+    dflash = config["dflash_config"]
+    return SERVING_README.format(
+        layers=config["num_hidden_layers"], block_size=dflash["block_size"], dtype=config["dtype"],
+        target_type=config.get("target_model_type") or "Qwen3-style",
+        target_layers=config["num_target_layers"],
+        layer_ids=dflash["target_layer_ids"], mask=dflash["mask_token_id"],
+        draft_tokens=dflash["block_size"] - 1, out_dir=Path(out_dir).resolve(),
+    )
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = DEFAULT_DTYPE) -> Path:
     """Write the export of `checkpoint` (a step directory) to `out_dir`; returns `out_dir`."""
     model_state, _, meta = load_checkpoint(checkpoint)
     drafter_cfg = DrafterConfig(**meta["drafter_config"])
-    dtype = dtype or meta.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target_config_path = Path(meta["target_path"]) / "config.json"
     if not target_config_path.is_file():
         raise FileNotFoundError(f"the checkpoint's target has no config at {target_config_path}")
+    problem = mask_token_problem(drafter_cfg.mask_token_id, meta["target_path"], drafter_cfg.vocab_size)
+    if problem is not None:
+        # The weights learnt this mask, so the export keeps it; only training again changes it.
+        message = f"the checkpoint's mask token: {problem} (for this checkpoint: by training again)"
+        print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
     out_dir = ensure_dir(out_dir)
@@ -92,29 +186,26 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", output_mode(FILE_MODE))  # readable by the serving side
     write_file(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
+    for source in CODE_FILES:
+        write_file(out_dir / source.name, source.read_text())
+    write_file(out_dir / "README.md", serving_readme(config, out_dir))
     return out_dir
 
 
 def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
     """The drafter of an export at `path` around `target`'s embedding and lm_head, in eval mode and
     the target's device and dtype; with its target layer ids."""
+    from transformers import AutoConfig
+
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    dflash = config["dflash_config"]
-    drafter_cfg = DrafterConfig(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"], num_layers=config["num_hidden_layers"],
-        num_target_features=len(dflash["target_layer_ids"]), block_size=dflash["block_size"],
-        mask_token_id=dflash["mask_token_id"], vocab_size=config["vocab_size"],
-        rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_parameters"]["rope_theta"],
-    )
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    drafter_cfg = modeling_dflash.drafter_config_from_hf(config)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     drafter = DFlashDrafter(drafter_cfg, embed, head)
     state = load_file(str(path / "model.safetensors"))
     drafter.load_trainable_state_dict({name: t.to(torch.float32) for name, t in state.items()})
     drafter.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
-    return drafter, list(dflash["target_layer_ids"])
+    return drafter, list(config.dflash_config["target_layer_ids"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,14 +213,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m dflash.export",
-        description="Write a trained drafter as a Hugging Face-style directory (config.json and "
-                    "model.safetensors) that DFlash inference code (DFlashDraftModel) loads.",
+        description="Write a trained drafter as a Hugging Face-style directory (config.json, "
+                    "model.safetensors, its modeling code and a README) that vLLM, SGLang and the "
+                    "DFlash inference code (DFlashDraftModel) load.",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory, or a run's output directory (its latest checkpoint)")
     parser.add_argument("--out", required=True, help="the directory to write (created if missing)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="weight dtype of the export (default: the run's model.dtype)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
+                        help=f"weight dtype of the export (default: {DEFAULT_DTYPE}, what engines serve)")
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(resolve_checkpoint(args.checkpoint), args.out, args.dtype)

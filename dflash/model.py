@@ -8,19 +8,36 @@ Inputs, all packed (no batch dimension; documents are told apart by the attentio
   the target's frozen embedding; queries come from the block only.
 - positions: the context's and the blocks' positions within their documents, for RoPE.
 - the attention pattern, built by `dflash.loss`: a `BlockSparseMask` (ranges per block, what
-  training uses) or the dense boolean reference `[Q, T+Q]` (True = may attend).
+  training uses), the dense boolean reference `[Q, T+Q]` (True = may attend), or None (every block
+  query sees every key: one block after the whole context, as in decoding).
 Output: hidden states `[Q, H]` after the final norm; `logits()` applies the target's frozen lm_head.
+
+This file imports nothing but torch: an export ships it unchanged next to `modeling_dflash.py`, so
+that the serving side runs the very layers that were trained.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.attention import BlockSparseMask
+
+class BlockMask(Protocol):
+    """A block-sparse attention pattern (`dflash.attention.BlockSparseMask`)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor: ...
+
+
+def rope_theta_of(config) -> float:
+    """The RoPE base of a transformers config: `rope_parameters` (transformers 5), else the top-level
+    `rope_theta` (transformers 4), else Qwen3's 1e6."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return float(theta if theta is not None else 1_000_000.0)
 
 
 @dataclass
@@ -74,7 +91,7 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             vocab_size=target_config.vocab_size,
             rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 1_000_000.0))),
+            rope_theta=rope_theta_of(target_config),
         )
 
 
@@ -91,10 +108,14 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The RoPE frequencies `[head_dim / 2]`, float32 (transformers' `inv_freq` of the same base)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin `[N, head_dim]` for integer positions `[N]` (rotate-half layout, as in Qwen3)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-                                / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -120,7 +141,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, block: torch.Tensor, context: torch.Tensor, rope_q, rope_kv,
-                attention_mask: torch.Tensor | BlockSparseMask) -> torch.Tensor:
+                attention_mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         cfg = self.cfg
         n_q, n_ctx = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(n_q, cfg.num_attention_heads, cfg.head_dim))
@@ -132,10 +153,10 @@ class DraftAttention(nn.Module):
         k = apply_rope(k.transpose(0, 1).unsqueeze(0), *rope_kv)
         v = v.transpose(0, 1).unsqueeze(0)
         gqa = cfg.num_attention_heads != cfg.num_key_value_heads
-        if isinstance(attention_mask, BlockSparseMask):
-            out = attention_mask.attend(q, k, v, enable_gqa=gqa)
-        else:
+        if attention_mask is None or isinstance(attention_mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
+        else:
+            out = attention_mask.attend(q, k, v, enable_gqa=gqa)
         out = out.squeeze(0).transpose(0, 1).reshape(n_q, cfg.num_attention_heads * cfg.head_dim)
         return self.o_proj(out)
 
@@ -164,28 +185,29 @@ class DraftLayer(nn.Module):
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
-class DFlashDrafter(nn.Module):
-    """Draft layers + fc + norms (trained) around the target's embedding and lm_head (frozen)."""
+class DraftStack:
+    """The trained part of a drafter: fc, hidden_norm, the draft layers and the final norm, run on a
+    block that is already embedded. A mixin of an nn.Module (`DFlashDrafter` here, the exported
+    `DFlashDraftModel` on the serving side), so that the weights have the same names in both."""
 
-    def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
-        super().__init__()
+    cfg: DrafterConfig
+
+    def init_draft_stack(self, cfg: DrafterConfig) -> None:
         self.cfg = cfg
-        if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"embedding {tuple(embed_tokens.weight.shape)} does not match "
-                             f"vocab {cfg.vocab_size} x hidden {cfg.hidden_size}")
         self.fc = nn.Linear(cfg.num_target_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
 
-    def forward(self, context_features: torch.Tensor, context_positions: torch.Tensor,
-                block_input_ids: torch.Tensor, block_positions: torch.Tensor,
-                attention_mask: torch.Tensor | BlockSparseMask) -> torch.Tensor:
-        """Hidden states `[Q, H]` of the block tokens, after the final norm.
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The RoPE frequencies the layers use (compare with the target's `rotary_emb.inv_freq`)."""
+        return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.fc.weight.device)
+
+    def draft_hidden(self, context_features: torch.Tensor, context_positions: torch.Tensor,
+                     block: torch.Tensor, block_positions: torch.Tensor,
+                     attention_mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """Hidden states `[Q, H]` of the embedded block `[Q, H]`, after the final norm.
 
         Under `torch.autocast` (bf16 compute over fp32 master weights) the context and RoPE are in
         the autocast dtype; the block's residual stream stays in the weights' dtype."""
@@ -193,13 +215,35 @@ class DFlashDrafter(nn.Module):
         device_type = self.fc.weight.device.type
         compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
         context = self.hidden_norm(self.fc(context_features.to(compute)))
-        block = self.embed_tokens(block_input_ids).to(dtype)
+        block = block.to(dtype)
         head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
         rope_q = rope_cos_sin(block_positions, head_dim, theta, compute)
         rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, compute)
         for layer in self.layers:
             block = layer(block, context, rope_q, rope_kv, attention_mask)
         return self.norm(block)
+
+
+class DFlashDrafter(DraftStack, nn.Module):
+    """Draft layers + fc + norms (trained) around the target's embedding and lm_head (frozen)."""
+
+    def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"embedding {tuple(embed_tokens.weight.shape)} does not match "
+                             f"vocab {cfg.vocab_size} x hidden {cfg.hidden_size}")
+        self.init_draft_stack(cfg)
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    def forward(self, context_features: torch.Tensor, context_positions: torch.Tensor,
+                block_input_ids: torch.Tensor, block_positions: torch.Tensor,
+                attention_mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """Hidden states `[Q, H]` of the block tokens `[Q]`, after the final norm (`draft_hidden`)."""
+        return self.draft_hidden(context_features, context_positions, self.embed_tokens(block_input_ids),
+                                 block_positions, attention_mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))

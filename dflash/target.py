@@ -16,6 +16,9 @@ from torch import nn
 
 from dflash.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
+# Where the trainer has always found it; the rules live in dflash.mask_token.
+from dflash.mask_token import resolve_mask_token_id as resolve_mask_token_id
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -111,24 +114,6 @@ def load_target_head(path: str | Path, dtype: str = "float32",
         head_weight = _read_tensor(files, "lm_head.weight").to(device=device, dtype=DTYPES[dtype])
         lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
     return TargetHead(config, embed, lm_head)
-
-
-def resolve_mask_token_id(configured: int | None, target_path: str | Path, vocab_size: int) -> int:
-    """The configured mask token, else the tokenizer's mask or pad token, else vocab_size - 1."""
-    if configured is not None:
-        if not 0 <= configured < vocab_size:
-            raise ValueError(f"model.mask_token_id {configured} is outside the vocabulary "
-                             f"(size {vocab_size})")
-        return configured
-    path = Path(target_path)
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        for token_id in (tokenizer.mask_token_id, tokenizer.pad_token_id):
-            if token_id is not None and 0 <= token_id < vocab_size:
-                return int(token_id)
-    return vocab_size - 1
 
 
 class _DeepestLayerDone(Exception):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash.checkpoint import (
+    keep_trained_mask_token,
     latest_checkpoint,
     load_checkpoint,
     remove_partial_saves,
@@ -97,7 +98,8 @@ class DrafterRun:
         checkpoint = self.checkpoint_to_resume()
         if checkpoint is None:
             return
-        model_state, state, _ = load_checkpoint(checkpoint)
+        model_state, state, meta = load_checkpoint(checkpoint)
+        keep_trained_mask_token(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])

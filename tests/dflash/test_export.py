@@ -5,6 +5,8 @@ the same block logits."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from dflash.export import main as export_main
 from dflash.loss import build_block_attention_mask
 from dflash.target import load_target
 from dflash.train import run_single_process
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ReferenceAttention(nn.Module):
@@ -91,7 +95,7 @@ def exported(tiny_config, tiny_target, tmp_path, capsys):
                       optim={"total_steps": 3})
     assert run_single_process(config_from_dict(raw)) == 0
     out = tmp_path / "export"
-    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] == str(out)
     return latest_checkpoint(tmp_path / "run"), out, load_target(tiny_target)
 
@@ -135,6 +139,51 @@ def test_the_export_reloads_to_the_checkpoints_block_logits_exactly(exported):
         reference_logits = target.get_output_embeddings()(hidden)[0]
     torch.testing.assert_close(reference_logits, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(reference_logits.argmax(-1), want.argmax(-1))
+
+
+def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_serving_readme(
+        exported, tmp_path):
+    checkpoint, fp32_dir, target = exported
+    out = tmp_path / "bf16"
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    weights = load_file(str(out / "model.safetensors"))
+    fp32_weights = load_file(str(fp32_dir / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert all(torch.equal(weights[name], t.to(torch.bfloat16)) for name, t in fp32_weights.items())
+
+    config = json.loads((out / "config.json").read_text())
+    theta = target.config.rope_parameters["rope_theta"]
+    assert config["dtype"] == "bfloat16"
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": theta}
+    assert (config["rope_theta"], config["rope_scaling"]) == (theta, None)  # what transformers 4 reads
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    for name in ("modeling_dflash.py", "model.py"):  # the code auto_map names, as this package has it
+        assert (out / name).read_text() == (REPO / "dflash" / name).read_text()
+
+    readme = (out / "README.md").read_text()
+    block_size = config["dflash_config"]["block_size"]
+    assert f'"num_speculative_tokens": {block_size - 1}' in readme and f'"model": "{out}"' in readme
+    assert "--speculative-algorithm DFLASH" in readme and "trust_remote_code=True" in readme
+    assert f"mask token {config['dflash_config']['mask_token_id']}" in readme
+
+
+def test_a_checkpoint_whose_mask_is_a_stop_token_exports_with_a_warning(exported, make_target, tmp_path,
+                                                                        capsys):
+    checkpoint, _, _ = exported
+    old = tmp_path / "old-checkpoint"
+    shutil.copytree(checkpoint, old)
+    meta = json.loads((old / "meta.json").read_text())
+    mask = meta["drafter_config"]["mask_token_id"]
+    # The same target, as a release whose eos is the token the checkpoint was trained to mask with.
+    meta["target_path"] = str(make_target("eos-is-mask", eos_token_id=mask))
+    (old / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert export_main(["--checkpoint", str(old), "--out", str(tmp_path / "out")]) == 0
+    (warning,) = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert warning["event"] == "warning"
+    assert f"{mask} is the target's config.json eos_token_id" in warning["message"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == mask  # the mask the weights learnt
 
 
 def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
