@@ -7,6 +7,9 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
+# make test's xdist workers: its tests spend most of their time waiting on playbooks, sshd and trainers,
+# so more workers than cores; each test file stays on one worker, in order (--dist loadfile).
+TEST_WORKERS ?= 4
 
 .PHONY: help setup peer-suites compat-venv test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
@@ -38,7 +41,7 @@ compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export
 	@python3 scripts/compat_venv.py
 
 test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)

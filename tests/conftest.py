@@ -23,11 +23,18 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import pvesim  # noqa: E402  (importable from a plain checkout, before `pip install -e .`)
-from pvesim.fleet import VENV_BIN, ansible_env  # noqa: E402
+from pvesim.fleet import VENV_BIN, ansible_env, prepare_assets  # noqa: E402
 from tests.reliability.trial_counts import FULL  # noqa: E402
 
 # The session's sim: two nodes with two containers each, eight GPUs per node.
 SESSION_LAYOUT = {"nodes": 2, "containers": (200, 201, 202, 203), "gpus": 8}
+
+
+def pytest_configure(config):
+    """Under xdist (make test), build the cache every worker reads, the tiny demo assets, once in the
+    controller before the workers start, so that no two of them build it at once."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        prepare_assets()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,11 +15,9 @@ import pytest
 import torch
 import yaml
 
-from dflash.demo import PRESETS, prepare
+from pvesim.fleet import prepare_assets
 
 REPO = Path(__file__).resolve().parents[2]
-# Built once and reused across test sessions (the demo caches on its parameters).
-DEMO_DIR = REPO / ".cache" / "test-demo-tiny"
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +27,8 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:
-    prepare(DEMO_DIR, PRESETS["tiny"], threads=1, progress=False)
-    return DEMO_DIR
+    """The tiny demo assets the sim tests use too: built once and reused across test sessions."""
+    return prepare_assets()
 
 
 @pytest.fixture
