@@ -282,7 +282,8 @@ def test_bad_input_gets_a_clear_message(tmp_path, args, complaint):
     assert "Traceback" not in json.dumps(result)
 
 
-@pytest.mark.parametrize("content", ["", f"{os.getpid()}\n", f'{{"pid": {os.getpid()}, "pgid"', "{not json"])
+@pytest.mark.parametrize("content", ["", f"{os.getpid()}\n", f'{{"pid": {os.getpid()}, "pgid"', "{not json"],
+                         ids=["empty", "bare-pid", "truncated", "not-json"])
 def test_a_pidfile_that_names_nothing_is_set_aside_and_the_start_proceeds(run, content):
     """Empty, a bare pid (this very test process), truncated, not JSON: nothing is signalled (this
     process lives on), the file is kept for inspection, and the run starts."""
