@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -67,15 +66,6 @@ def playbook_results(playbook, inventory, host, timeout=120):
     """Run a playbook through ansible-runner; returns the results of its tasks for one host, in order."""
     res = fleet.run_playbook(playbook, inventory, timeout=timeout)
     return [result for _, name, result in res.host_results() if name == host]
-
-
-def wait_for(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class Processes:

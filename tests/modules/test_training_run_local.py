@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from module_runner import alive, ansible_module, module_command, run_module, wait_for
+from module_runner import alive, ansible_module, module_command, run_module
+
+from tests.waiting import wait_for
 
 FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
 

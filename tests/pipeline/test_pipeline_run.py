@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
+from tests.waiting import wait_for
 
 PIPELINE = {"target_workers": 2, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2}
 # Two drafters: the stop is agreed between them (DDP) and each target tells both it has ended.
@@ -103,8 +104,7 @@ def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exac
     assert names.index(("checkpoint", "drafter0")) < names.index(("stop", "drafter0"))
     assert sorted(e["worker"] for e in events if e["event"] == "worker_exit" and e["returncode"] == 0) == [
         "drafter0", "drafter1", "target0", "target1"]
-    time.sleep(0.2)
-    assert not any(pid_alive(pid) for pid in worker_pids)
+    assert wait_for(lambda: not any(pid_alive(pid) for pid in worker_pids))
     assert not run.group_alive()
 
     # The checkpoint holds each drafter's random state and each resumes from its own: on documents

@@ -4,7 +4,6 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
-import time
 from pathlib import Path
 
 BIN = Path(__file__).resolve().parents[2] / "pvesim" / "bin"
@@ -22,15 +21,6 @@ def load_script(name):
 def in_ct(vmid, *argv):
     """The node-side command line running argv in a container, quoted for the node's shell."""
     return f"pct exec {vmid} -- {shlex.join(argv)}"
-
-
-def wait_for(predicate, timeout_s=10.0, interval_s=0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def host_pid(init_pid, container_pid):

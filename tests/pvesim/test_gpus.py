@@ -4,10 +4,11 @@ each container seeing only the GPUs passed through to it, numbered from 0."""
 import re
 
 import pytest
-from simtools import host_pid, in_ct, wait_for
+from simtools import host_pid, in_ct
 
 from pvesim import container, node
 from pvesim.sim import gpu_layout, split_containers
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sim
 

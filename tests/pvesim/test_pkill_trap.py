@@ -7,9 +7,10 @@ container, to show why the product stops runs by pidfile and process group inste
 """
 
 import pytest
-from simtools import host_pid, in_ct, wait_for
+from simtools import host_pid, in_ct
 
 from pvesim import container, node, procs
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sim
 
@@ -29,4 +30,4 @@ def test_pkill_f_kills_its_own_shell_ssh_exits_143_and_nothing_after_runs(sim):
     assert trap.returncode == 143
     assert "after" not in trap.stdout
     # The pkill did reach the trainer too; the shell that issued it died with it.
-    assert wait_for(lambda: not procs.is_alive(trainer), timeout_s=5)
+    assert wait_for(lambda: not procs.is_alive(trainer), timeout=5)
