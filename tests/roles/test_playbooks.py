@@ -1,7 +1,9 @@
 """deploy.yml, restart_training.yml, stop/status/rollback and fleet rollout against a 2-node pvesim.
 
-The tests of this module share one fleet and run in order: each starts from the state the previous
-one left (like an operator's day). pve1 has CT 200 and 201, pve2 has CT 202 and 203.
+The tests of this module share one fleet and, run in order, each starts from the state the previous
+one left (like an operator's day). Each also makes the state it needs when run alone (`ensure_running`,
+`ensure_died`, `ensure_previous_release`: nothing to do in order). pve1 has CT 200 and 201, pve2 has
+CT 202 and 203.
 """
 
 import json
@@ -24,6 +26,38 @@ def fleet(tmp_path_factory):
     f.down()
 
 
+
+
+def running(fleet, vmid):
+    info = fleet.run_info(vmid)
+    return bool(info) and fleet.alive(vmid, info["pid"])
+
+
+def ensure_running(fleet, *vmids):
+    """The containers run a deployed release: the first test's deploy, or one made now."""
+    missing = [f"ct{v}" for v in vmids or CONTAINERS if not running(fleet, v)]
+    if missing:
+        res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=4", "-l", ",".join(missing))
+        assert res.rc == 0, res
+
+
+def ensure_died(fleet, vmid):
+    """The container's run was killed without a stop (its container stopped and started again), as the
+    failed-rollout test leaves CT 200."""
+    if not fleet.run_info(vmid):
+        ensure_running(fleet, vmid)
+    if running(fleet, vmid):
+        node = fleet.sim.node_of(vmid).name
+        assert fleet.sim.ssh(node, f"pct stop {vmid} && pct start {vmid}").returncode == 0
+
+
+def ensure_previous_release(fleet, vmid):
+    """The container has a previous release to go back to, as the restart test leaves CT 201."""
+    ensure_running(fleet, vmid)
+    if fleet.ct(vmid, "test -L /opt/dflash/previous").returncode != 0:
+        change_code(fleet.src, "previous")
+        res = fleet.play("restart_training.yml", "-l", f"ct{vmid}")
+        assert res.rc == 0, res
 
 
 def container_checksums(fleet, vmid, release_dir):
@@ -76,6 +110,7 @@ def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
 
 
 def test_second_deploy_changes_nothing_and_keeps_the_runs(fleet):
+    ensure_running(fleet)
     before = pids(fleet)
     res = fleet.play("deploy.yml", "-e", "dflash_fleet_serial=4")
     assert res.rc == 0, res
@@ -84,6 +119,7 @@ def test_second_deploy_changes_nothing_and_keeps_the_runs(fleet):
 
 
 def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fleet):
+    ensure_running(fleet)
     before = {v: fleet.run_info(v) for v in CONTAINERS}
     releases = {v: fleet.live_release(v) for v in CONTAINERS}
     checkpoint = fleet.wait_for_checkpoint(201)
@@ -121,6 +157,7 @@ def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fl
 
 
 def test_restart_refuses_to_stop_a_healthy_run_for_a_config_that_does_not_validate(fleet):
+    ensure_running(fleet, 202)
     before = fleet.run_info(202)
     release = fleet.live_release(202)
     bad = '{"dflash_release_settings": {"model": {"block_size": 1}}}'
@@ -132,6 +169,7 @@ def test_restart_refuses_to_stop_a_healthy_run_for_a_config_that_does_not_valida
 
 
 def test_a_failed_container_stops_the_rollout_and_leaves_the_rest_as_they_were(fleet):
+    ensure_running(fleet)
     before = pids(fleet)
     releases = {v: fleet.live_release(v) for v in CONTAINERS}
     assert fleet.sim.ssh("pve1", "pct stop 200").returncode == 0
@@ -150,6 +188,8 @@ def test_a_failed_container_stops_the_rollout_and_leaves_the_rest_as_they_were(f
 
 
 def test_status_shows_one_table_for_the_fleet(fleet):
+    ensure_running(fleet, 201, 202, 203)
+    ensure_died(fleet, 200)
     res = fleet.play("status.yml")
     assert res.rc == 0, res
     table = next(iter(res.results("Show the fleet's runs.").values()))["msg"]
@@ -175,6 +215,7 @@ def test_status_shows_one_table_for_the_fleet(fleet):
 
 
 def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
+    ensure_previous_release(fleet, 201)
     new_release = fleet.live_release(201)
     before = fleet.run_info(201)
     res = fleet.play("rollback.yml", "-l", "ct201")
@@ -187,6 +228,7 @@ def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
 
 
 def test_secrets_reach_the_run_and_nothing_else(fleet):
+    ensure_running(fleet, 203)
     token = "hf_test_token_5d41402abc4b2a76"
     secrets = json.dumps({"dflash_run_secret_environment": {"HF_TOKEN": token}})
     res = fleet.play("restart_training.yml", "-l", "ct203", "-e", secrets, "-vvv")
@@ -209,6 +251,7 @@ def test_secrets_reach_the_run_and_nothing_else(fleet):
 
 
 def test_stop_training_checkpoints_and_frees_the_gpus(fleet):
+    ensure_running(fleet, 202)
     before = fleet.run_info(202)
     res = fleet.play("stop_training.yml", "-l", "ct202")
     assert res.rc == 0, res
