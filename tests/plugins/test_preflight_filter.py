@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from ansible_collections.dflash.ops.plugins.filter import preflight
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import is_plain_file_name
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
@@ -152,3 +153,58 @@ def test_a_misspelt_role_variable_is_named_and_other_variables_are_not():
         "proxmox_provision, dflash_env, dflash_release, dflash_run roles have no such name, so it would "
         "change nothing). Fix its name in the inventory or in -e; the variables are listed in "
         "ansible_collections/dflash/ops/roles/<role>/defaults/main.yml."]
+
+
+@pytest.mark.parametrize("name", ["../../../etc/cron.d/evil", "runs/main", ".main", "..", ""])
+def test_a_run_name_that_is_not_a_plain_file_name_is_refused_naming_it_and_the_fix(name):
+    assert not is_plain_file_name(name)  # the rule training_run applies in the container
+    assert preflight.run_name_and_path_problems({"dflash_run_name": name}, SPECS) == [
+        f'dflash_run_name is "{name}": the run\'s name must be a plain file name (no \'/\', not starting '
+        "with '.'), as its pidfile, log and secrets file in the container are named after it. Fix it in the "
+        "inventory or in -e (the default is main)."]
+
+
+@pytest.mark.parametrize("name", ["main", "run-2", "main.v2"])
+def test_a_plain_run_name_passes(name):
+    assert preflight.run_name_and_path_problems({"dflash_run_name": name}, SPECS) == []
+
+
+# The role options that are paths in the container or on its node: every path option of the specs but
+# the controller's.
+CONTAINER_PATH_OPTIONS = sorted(name for name, spec in SPECS.items()
+                                if spec["type"] == "path" and name not in preflight.CONTROLLER_PATHS)
+
+
+def test_the_container_paths_are_the_roles_root_dir_venv_and_path_variables():
+    for name in ("dflash_env_venv", "dflash_release_root", "dflash_release_venv",
+                 "dflash_release_output_dir", "dflash_release_target_path", "dflash_release_data_path",
+                 "dflash_run_root", "dflash_run_pidfile", "dflash_run_log_path", "dflash_run_output_dir",
+                 "dflash_run_secret_file", "proxmox_host_pct_path"):
+        assert name in CONTAINER_PATH_OPTIONS
+
+
+@pytest.mark.parametrize("name", CONTAINER_PATH_OPTIONS)
+def test_a_relative_container_path_is_refused_naming_the_variable_its_value_and_the_fix(name):
+    assert preflight.run_name_and_path_problems({name: "/srv/x"}, SPECS) == []
+    assert preflight.run_name_and_path_problems({name: "srv/x"}, SPECS) == [
+        f'{name} is "srv/x", and "srv/x" is not an absolute path: the roles use it in the container or on '
+        "its node, where tasks run from no fixed directory. Fix it in the inventory (group_vars, host_vars) "
+        "or in -e with a path that starts with /."]
+
+
+@pytest.mark.parametrize("value", ["~/venv", "./venv", ""])
+def test_a_path_the_container_s_shell_would_resolve_is_not_absolute(value):
+    assert preflight.run_name_and_path_problems({"dflash_env_venv": value}, SPECS) != []
+
+
+def test_each_relative_element_of_a_list_of_paths_is_named():
+    [problem] = preflight.run_name_and_path_problems(
+        {"dflash_env_site_packages": ["/usr/lib/python3/dist-packages", "lib", "x/y"]}, SPECS)
+    assert problem.startswith('dflash_env_site_packages is ["/usr/lib/python3/dist-packages", "lib", "x/y"], '
+                              'and "lib", "x/y" is not an absolute path')
+
+
+@pytest.mark.parametrize("name", sorted(preflight.CONTROLLER_PATHS))
+def test_a_controller_path_may_be_relative_to_where_the_playbook_runs(name):
+    assert SPECS[name]["type"] == "path"
+    assert preflight.run_name_and_path_problems({name: "../dflash"}, SPECS) == []

@@ -28,9 +28,11 @@ options:
         members, each has a C(dflash_run_address), and the play includes every member.
       - V(variable_types) - the role variables set for the container have the types of O(specs).
       - V(variable_names) - every variable named like a role's (C(<role>_...)) is an option of O(specs).
+      - V(run_name_and_paths) - C(dflash_run_name) is a plain file name, and the role variables that are
+        paths in the container or on its node are absolute.
     type: str
     required: true
-    choices: [inventory, run_members, variable_types, variable_names]
+    choices: [inventory, run_members, variable_types, variable_names, run_name_and_paths]
   hostvars:
     description: The play's C(hostvars).
     type: dict
@@ -45,8 +47,8 @@ options:
   specs:
     description:
       - Every role option with its spec, the roles' C(meta/argument_specs.yml) merged (the
-        P(dflash.ops.role_argument_spec#lookup) lookup gives them); for V(variable_types) and
-        V(variable_names).
+        P(dflash.ops.role_argument_spec#lookup) lookup gives them); for V(variable_types),
+        V(variable_names) and V(run_name_and_paths).
     type: dict
   roles:
     description: The roles whose prefixes name role variables (for V(variable_names)).
@@ -72,17 +74,26 @@ _value:
 """
 
 import json
+import posixpath
 import re
 
 from ansible.errors import AnsibleFilterError
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    PLAIN_FILE_NAME,
+    is_plain_file_name,
+)
 
 # The connections that run a container's tasks through its node's pct.
 CONNECTIONS = ("dflash.ops.pct_pipelined", "community.proxmox.proxmox_pct_remote")
 # A CT id as Proxmox VE accepts it.
 VMID = re.compile(r"^[1-9][0-9]{2,8}$")
 # The check families, the filter's `check`.
-CHECKS = ("inventory", "run_members", "variable_types", "variable_names")
+CHECKS = ("inventory", "run_members", "variable_types", "variable_names", "run_name_and_paths")
+# Path options the roles use on the controller, where a relative path means the directory the
+# playbook runs from: only the paths in the container and on its node must be absolute.
+CONTROLLER_PATHS = frozenset({"dflash_release_source_dir", "dflash_release_build_dir"})
 
 
 def container_problems(host, hostvars, groups):
@@ -174,6 +185,39 @@ def variable_name_problems(host_vars, specs, roles):
             "listed in ansible_collections/dflash/ops/roles/<role>/defaults/main.yml."]
 
 
+def run_name_and_path_problems(host_vars, specs):
+    """The run's name, which names files in the container (training_run's rule), and the role variables
+    that are paths in the container or on its node, which must be absolute: the tasks there run from no
+    fixed directory."""
+    problems = []
+    run_name = str(host_vars.get("dflash_run_name", "main"))
+    if not is_plain_file_name(run_name):
+        default = specs.get("dflash_run_name", {}).get("default", "main")
+        problems.append(f"dflash_run_name is {json.dumps(run_name)}: the run's name must be "
+                        f"{PLAIN_FILE_NAME}, as its pidfile, log and secrets file in the container are named "
+                        f"after it. Fix it in the inventory or in -e (the default is {default}).")
+    for name, value in role_variables(host_vars, specs).items():
+        if name in CONTROLLER_PATHS:
+            continue
+        relative = [str(path) for path in container_paths(specs[name], value)
+                    if not posixpath.isabs(str(path))]
+        if relative:
+            problems.append(f"{name} is {json.dumps(value)}, and {', '.join(map(json.dumps, relative))} is "
+                            "not an absolute path: the roles use it in the container or on its node, where "
+                            "tasks run from no fixed directory. Fix it in the inventory (group_vars, "
+                            "host_vars) or in -e with a path that starts with /.")
+    return problems
+
+
+def container_paths(spec, value):
+    """The paths a role option's value holds, by its spec: one for a path, each element of a list of paths."""
+    if spec.get("type") == "path":
+        return [value]
+    if spec.get("type") == "list" and spec.get("elements") == "path" and isinstance(value, list):
+        return value
+    return []
+
+
 def preflight(host, check, hostvars, groups=None, play_hosts=None, specs=None, roles=None):
     """The problems of one check family (the filter's `check`) for training container `host`."""
     if check == "inventory":
@@ -184,6 +228,8 @@ def preflight(host, check, hostvars, groups=None, play_hosts=None, specs=None, r
         return variable_type_problems(hostvars[host], specs or {})
     if check == "variable_names":
         return variable_name_problems(hostvars[host], specs or {}, roles or [])
+    if check == "run_name_and_paths":
+        return run_name_and_path_problems(hostvars[host], specs or {})
     raise AnsibleFilterError(f"dflash.ops.preflight has no check {check!r} (it has {', '.join(CHECKS)})")
 
 
