@@ -4,6 +4,7 @@ matches its argument spec."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import subprocess
 
@@ -87,3 +88,16 @@ def test_the_lookup_renders_with_its_options():
     assert set(options) == {"_terms", "entry_point"} and options["entry_point"]["default"] == "main"
     examples = yaml.safe_load(importlib.import_module(f"{PLUGINS}.lookup.role_argument_spec").EXAMPLES)
     assert "dflash.ops.role_argument_spec" in json.dumps(examples)
+
+
+def test_the_preflight_filter_renders_with_an_option_for_each_parameter_and_its_checks():
+    text = plain(ansible_doc("-t", "filter", "dflash.ops.preflight"))
+    assert "dflash.ops.preflight" in text and "EXAMPLES" in text and "RETURN VALUES" in text
+    rendered = json.loads(ansible_doc("-t", "filter", "--json", "dflash.ops.preflight"))
+    doc = rendered["dflash.ops.preflight"]["doc"]
+    plugin = importlib.import_module(f"{PLUGINS}.filter.preflight")
+    parameters = list(inspect.signature(plugin.preflight).parameters)
+    assert set(doc["options"]) == {"_input", *parameters[1:]}  # the first parameter is the filter's input
+    assert doc["options"]["check"]["choices"] == list(plugin.CHECKS)
+    examples = yaml.safe_load(plugin.EXAMPLES)
+    assert "dflash.ops.preflight(" in json.dumps(examples)

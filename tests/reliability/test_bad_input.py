@@ -118,6 +118,12 @@ CASES = [
          words=("dflash_run_stop_timeout", "int", "Fix the value in the inventory")),
     Case("A misspelt role variable", RESTART, CT200 + ("-e", "dflash_run_stop_timout=600"),
          words=("dflash_run_stop_timout is not a variable of any role", "Fix its name"), fast=True),
+    Case("A run name that is not a plain file name", RESTART,
+         CT200 + ("-e", "dflash_run_name=../../../etc/cron.d/evil"),
+         words=('dflash_run_name is "../../../etc/cron.d/evil"', "must be a plain file name", "Fix it")),
+    Case("A relative path in the container", RESTART, CT200 + ("-e", "dflash_release_root=opt/dflash"),
+         words=('dflash_release_root is "opt/dflash"', "is not an absolute path",
+                "a path that starts with /")),
     # The node: checked on the node (and in the container through pct) before the container is touched.
     Case("A `proxmox_vmid` that does not exist on the node", RESTART, CT200 + ("-e", "proxmox_vmid=299"),
          words=("CT 299 does not exist on node pve1", "Fix proxmox_vmid", "the node has 200, 201")),

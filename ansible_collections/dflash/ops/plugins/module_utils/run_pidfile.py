@@ -27,6 +27,8 @@ class RunError(Exception):
         self.result = result
 
 
+# What a run's name must be, as messages say it: the pidfile and the log are named after the run.
+PLAIN_FILE_NAME = "a plain file name (no '/', not starting with '.')"
 # How a concurrent change is named in messages (a second playbook, or an operator).
 CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
 
@@ -34,6 +36,11 @@ CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
 class Unreadable(NamedTuple):
     """A pidfile this module cannot trust the content of: stale, never acted on."""
     problem: str
+
+
+def is_plain_file_name(name):
+    """Whether `name` names a file in a directory and nothing outside it (PLAIN_FILE_NAME)."""
+    return bool(name) and "/" not in name and not name.startswith(".")
 
 
 def record_problem(data):

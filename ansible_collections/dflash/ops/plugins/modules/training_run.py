@@ -219,10 +219,12 @@ import re
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    PLAIN_FILE_NAME,
     RunError,
     check_expected,
     describe,
     inspect,
+    is_plain_file_name,
     pidfile_lock,
     remove_file,
     running_result,
@@ -339,8 +341,8 @@ def main():
     )
     params = module.params
     name = params["name"]
-    if not name or "/" in name or name.startswith("."):
-        module.fail_json(msg=f"name {name!r} must be a plain file name (no '/', not starting with '.')")
+    if not is_plain_file_name(name):
+        module.fail_json(msg=f"name {name!r} must be {PLAIN_FILE_NAME}")
     for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout"):
         if params[key] < 0:
             module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
