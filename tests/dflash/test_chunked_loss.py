@@ -155,3 +155,25 @@ def test_loss_chunk_size_defaults_to_chunked_and_is_validated(tiny_config, tmp_p
     assert unchunked.model.loss_chunk_size is None
     with pytest.raises(ConfigError, match=r"model\.loss_chunk_size: must be >= 1"):
         config_from_dict(tiny_config(tmp_path, model={"loss_chunk_size": 0}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_head_loss_equals_the_unchunked_loss_on_cuda_in_bf16():
+    torch.manual_seed(0)
+    vocab, block_size = 50_000, 16
+    head = torch.nn.Linear(256, vocab, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    h, labels, weights, offsets = (t.cuda() for t in _rows(600, 256, vocab, block_size))
+    results = []
+    for chunk_size in (None, 128):
+        hidden = h.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if chunk_size is None:
+                loss = dflash_loss(head(hidden.to(torch.bfloat16)), labels, weights)
+            else:
+                loss = chunked_head_loss(hidden, head, labels, weights, offsets, block_size, chunk_size)[0]
+        loss.backward()
+        results.append((loss.detach(), hidden.grad))
+    (ref_loss, ref_grad), (loss, grad) = results
+    torch.testing.assert_close(loss, ref_loss, **TOLERANCE["bfloat16"])
+    torch.testing.assert_close(grad, ref_grad, **TOLERANCE["bfloat16"])
