@@ -7,7 +7,7 @@ weights around a bf16 embedding and lm_head (`model.dtype: bfloat16`). The two p
 code the trainer runs (`dflash.training.scored_loss`):
 
 - unchunked (`model.loss_chunk_size: null`): the scored positions' `[scored, vocab]` logits at once;
-- chunked (`model.loss_chunk_size`, default 1024): `dflash.loss.chunked_head_loss`.
+- chunked (`model.loss_chunk_size`, default 512): `dflash.loss.chunked_head_loss`.
 
 Every configuration runs in a fresh process: the model is built, one warm-up step runs at a few
 anchors, then the measured step. Peak memory is the process's resident high-water mark during
@@ -23,8 +23,10 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import DEFAULT_LOSS_CHUNK_SIZE
 from dflash.loss import build_block_batch, sample_anchors
 from dflash.memory import peak_rss_bytes
 from dflash.model import DFlashDrafter, DrafterConfig
@@ -116,11 +119,20 @@ def measure_one(shape: dict, device: torch.device) -> dict:
             "grad_norm": grad_norm}
 
 
-def measure_in_subprocess(shape: dict, device: str, threads: int) -> dict:
+class DidNotFit(RuntimeError):
+    """A configuration's step ran out of the memory it was allowed."""
+
+
+def measure_in_subprocess(shape: dict, device: str, threads: int,
+                          memory_limit_gib: float | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.drafter_step", "--one", json.dumps(shape), "--device", device,
            "--threads", str(threads)]
+    if memory_limit_gib is not None:
+        cmd += ["--memory-limit-gib", str(memory_limit_gib)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
+        if "DefaultCPUAllocator: can't allocate memory" in done.stderr or "MemoryError" in done.stderr:
+            raise DidNotFit(f"{shape}: does not fit in {memory_limit_gib} GiB")
         raise SystemExit(f"{shape}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -151,7 +163,7 @@ def print_table(rows: list[dict], alone: list[dict]) -> None:
               f"{r['chunked_peak_gib']:>11} {r['peak_ratio']:>6} | {r['unchunked_s']:>11} "
               f"{r['chunked_s']:>9} {r['time_ratio']:>6} | {r['loss_rel_diff']:.1e}")
     for r in alone:
-        print(f"{r['layers']:>6} {r['anchors']:>7} {r['chunk_size']:>5} | {'(not run)':>13} "
+        print(f"{r['layers']:>6} {r['anchors']:>7} {r['chunk_size']:>5} | {'(no fit)':>13} "
               f"{r['peak_gib']:>11} {'':>6} | {'':>11} {r['seconds']:>9}")
 
 
@@ -161,8 +173,6 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1])
     parser.add_argument("--anchors", type=int, nargs="+", default=[64, 512],
                         help="blocks in the sequence (paper: 512 per 3072 tokens)")
-    parser.add_argument("--chunked-only-anchors", type=int, nargs="*", default=[],
-                        help="anchor counts to run chunked only (where the unchunked step does not fit)")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -171,7 +181,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE)
+    parser.add_argument("--memory-limit-gib", type=float, default=None,
+                        help="address-space limit of each configuration's process: past it the step fails "
+                             "with an allocation error instead of pressing the machine")
     parser.add_argument("--optimizer", action="store_true", help="include the AdamW step")
     parser.add_argument("--repeats", type=int, default=1, help="measured steps (the fastest is reported)")
     parser.add_argument("--device", default="cpu")
@@ -180,6 +193,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.one:
+        if args.memory_limit_gib is not None:
+            limit = int(args.memory_limit_gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(measure_one(json.loads(args.one), torch.device(args.device))))
         return 0
     base = {"seq_len": args.seq_len, "block_size": args.block_size, "hidden": args.hidden,
@@ -190,17 +206,20 @@ def main(argv=None) -> int:
     for layers in args.layers:
         for anchors in args.anchors:
             shape = {**base, "layers": layers, "anchors": anchors}
-            unchunked, chunked = (
-                measure_in_subprocess({**shape, "chunk_size": chunk}, args.device, args.threads)
-                for chunk in (None, args.chunk_size))
+            measure = functools.partial(measure_in_subprocess, device=args.device, threads=args.threads,
+                                        memory_limit_gib=args.memory_limit_gib)
+            chunked = measure({**shape, "chunk_size": args.chunk_size})
+            try:
+                unchunked = measure({**shape, "chunk_size": None})
+            except DidNotFit:
+                alone.append(chunked)
+                continue
             rows.append(compare(unchunked, chunked))
-        for anchors in args.chunked_only_anchors:
-            shape = {**base, "layers": layers, "anchors": anchors, "chunk_size": args.chunk_size}
-            alone.append(measure_in_subprocess(shape, args.device, args.threads))
     print(f"one sequence of {args.seq_len} tokens, blocks of {args.block_size}; H {args.hidden}, "
           f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, vocab {args.vocab}; bf16 autocast over "
           f"fp32 master weights; {args.device}, {args.threads} thread(s); peak = resident high-water mark "
-          f"of the step in a fresh process; load average {os.getloadavg()[0]:.1f} at the end")
+          f"of the step in a fresh process (limit {args.memory_limit_gib} GiB of address space); "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
     print_table(rows, alone)
     print(json.dumps({"rows": rows, "chunked_only": alone}))
     return 0

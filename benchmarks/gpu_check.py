@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.drafter_step import measure_in_subprocess
+from dflash.config import DEFAULT_LOSS_CHUNK_SIZE
 from dflash.memory import peak_allocated_bytes
 from dflash.target import build_target_layer_ids, target_hidden_states
 
@@ -63,7 +64,7 @@ def drafter_part(mode: str, device: str) -> dict:
     shape = {**DRAFTER_SHAPE[mode], "block_size": 16, "optimizer": True, "repeats": 3 if full else 1,
              "warmup_anchors": DRAFTER_SHAPE[mode]["anchors"] if full else 4}
     rows = {}
-    for name, chunk in (("unchunked", None), ("chunked", 1024)):
+    for name, chunk in (("unchunked", None), ("chunked", DEFAULT_LOSS_CHUNK_SIZE)):
         r = measure_in_subprocess({**shape, "chunk_size": chunk}, device, threads=os.cpu_count() or 1)
         rows[name] = {"samples_per_s": r["samples_per_s"], "peak_gib": r["peak_gib"], "loss": r["loss"]}
     rows["peak_ratio"] = round(rows["chunked"]["peak_gib"] / rows["unchunked"]["peak_gib"], 3)

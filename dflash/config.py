@@ -21,6 +21,9 @@ import yaml
 from dflash.devices import visible_devices
 
 DTYPES = ("float32", "bfloat16")
+# model.loss_chunk_size's default: at Qwen3-8B's vocabulary a chunk's logits and their gradient
+# take ~0.6 GiB, and 512-row matmuls keep the lm_head's throughput.
+DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
 
 
@@ -94,7 +97,7 @@ class ModelConfig(_Section):
     target_rows_per_pass: int | None = None
     # Scored block positions per lm_head + cross-entropy chunk (`dflash.loss.chunked_head_loss`):
     # bounds the logits to [loss_chunk_size, vocab]; null: a group's scored positions at once.
-    loss_chunk_size: int | None = 1024
+    loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
     _name = "model"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.config import ConfigError, config_from_dict
+from dflash.config import DEFAULT_LOSS_CHUNK_SIZE, ConfigError, config_from_dict
 from dflash.loss import build_block_batch, chunked_head_loss, count_correct_by_position, dflash_loss
 from dflash.memory import peak_allocated_bytes
 from dflash.target import TargetHead, load_target, target_hidden_states
@@ -150,7 +150,7 @@ def test_train_steps_chunked_and_unchunked_agree(tiny_target, tiny_config, tmp_p
 def test_loss_chunk_size_defaults_to_chunked_and_is_validated(tiny_config, tmp_path):
     raw = tiny_config(tmp_path)
     assert "loss_chunk_size" not in raw["model"]  # a config written before the key still loads
-    assert config_from_dict(raw).model.loss_chunk_size == 1024
+    assert config_from_dict(raw).model.loss_chunk_size == DEFAULT_LOSS_CHUNK_SIZE
     unchunked = config_from_dict(tiny_config(tmp_path, model={"loss_chunk_size": None}))
     assert unchunked.model.loss_chunk_size is None
     with pytest.raises(ConfigError, match=r"model\.loss_chunk_size: must be >= 1"):

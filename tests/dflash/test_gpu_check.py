@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.slow
