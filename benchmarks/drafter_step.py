@@ -9,15 +9,17 @@ code the trainer runs (`dflash.training.scored_loss`):
 - unchunked (`model.loss_chunk_size: null`): the scored positions' `[scored, vocab]` logits at once;
 - chunked (`model.loss_chunk_size`, default 512): `dflash.loss.chunked_head_loss`.
 
-Every configuration runs in a fresh process: the model is built, one warm-up step runs at a few
-anchors, then the measured step. Peak memory is the process's resident high-water mark during
-the step above its size before it (`dflash.memory.peak_rss_bytes`; on CUDA the allocator's peak);
-it includes the gradients the step allocates (the trainer sets them to None each step), not
-AdamW's state (`--optimizer` adds the AdamW step, as the GPU check does). Prints a table, then
-one JSON line.
+Every configuration runs in a fresh process, on CPU under an address-space limit (a shape that
+does not fit is reported as such): the model is built, one warm-up step runs at a few anchors,
+then the measured step. On CPU the peak is the process's resident high-water mark during the step
+above its size before it (`dflash.memory.peak_rss_bytes`), when it holds what a trainer holds
+between steps: the weights and the previous step's gradients, which the step frees and rebuilds
+(`zero_grad(set_to_none=True)`, as the trainer does). On CUDA it is `max_memory_allocated`:
+everything the GPU holds. AdamW's state and step are left out unless `--optimizer` (the GPU check
+adds them). Prints a table, then one JSON line.
 
-    python -m benchmarks.drafter_step                           # 1 layer, 64 and 512 anchors
-    python -m benchmarks.drafter_step --layers 5 --anchors 64 --chunk-size 512
+    python -m benchmarks.drafter_step                      # 1 layer, 256 and 512 anchors, 20 GiB
+    python -m benchmarks.drafter_step --layers 5 --anchors 128 256
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def measure_in_subprocess(shape: dict, device: str, threads: int,
     cmd = [sys.executable, "-m", "benchmarks.drafter_step", "--one", json.dumps(shape), "--device", device,
            "--threads", str(threads)]
     if memory_limit_gib is not None:
-        cmd += ["--memory-limit-gib", str(memory_limit_gib)]
+        cmd += ["--address-limit-gib", str(memory_limit_gib)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         if "DefaultCPUAllocator: can't allocate memory" in done.stderr or "MemoryError" in done.stderr:
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.drafter_step",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1])
-    parser.add_argument("--anchors", type=int, nargs="+", default=[64, 512],
+    parser.add_argument("--anchors", type=int, nargs="+", default=[256, 512],
                         help="blocks in the sequence (paper: 512 per 3072 tokens)")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--block-size", type=int, default=16)
@@ -182,19 +184,22 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE)
-    parser.add_argument("--memory-limit-gib", type=float, default=None,
-                        help="address-space limit of each configuration's process: past it the step fails "
-                             "with an allocation error instead of pressing the machine")
+    parser.add_argument("--memory-limit-gib", type=float, default=20.0,
+                        help="on CPU, the address-space limit of each configuration's process: past it the "
+                             "step fails with an allocation error instead of pressing the machine")
+    parser.add_argument("--address-limit-gib", type=float, help=argparse.SUPPRESS)  # a child's limit
     parser.add_argument("--optimizer", action="store_true", help="include the AdamW step")
     parser.add_argument("--repeats", type=int, default=1, help="measured steps (the fastest is reported)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fresh processes per path, alternating (the fastest round's time is reported)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a JSON shape: measure it in this process
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.one:
-        if args.memory_limit_gib is not None:
-            limit = int(args.memory_limit_gib * 2**30)
+        if args.address_limit_gib is not None:
+            limit = int(args.address_limit_gib * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(measure_one(json.loads(args.one), torch.device(args.device))))
         return 0
@@ -206,14 +211,20 @@ def main(argv=None) -> int:
     for layers in args.layers:
         for anchors in args.anchors:
             shape = {**base, "layers": layers, "anchors": anchors}
+            limit = args.memory_limit_gib if args.device == "cpu" else None  # CUDA reserves address space
             measure = functools.partial(measure_in_subprocess, device=args.device, threads=args.threads,
-                                        memory_limit_gib=args.memory_limit_gib)
+                                        memory_limit_gib=limit)
             chunked = measure({**shape, "chunk_size": args.chunk_size})
             try:
                 unchunked = measure({**shape, "chunk_size": None})
             except DidNotFit:
                 alone.append(chunked)
                 continue
+            # Further rounds alternate the two paths, so that a busy machine's slow minutes fall on both;
+            # each path's fastest round counts.
+            for _ in range(args.rounds - 1):
+                for best, chunk in ((unchunked, None), (chunked, args.chunk_size)):
+                    best["seconds"] = min(best["seconds"], measure({**shape, "chunk_size": chunk})["seconds"])
             rows.append(compare(unchunked, chunked))
     print(f"one sequence of {args.seq_len} tokens, blocks of {args.block_size}; H {args.hidden}, "
           f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, vocab {args.vocab}; bf16 autocast over "

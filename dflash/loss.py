@@ -175,20 +175,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 logits = F.linear(hidden[rows].to(compute), head)
-                label = labels[rows]
-                correct = (logits.argmax(-1) == label) & (weights[rows] > 0)
-                hits += torch.bincount(offsets[rows][correct], minlength=block_size)
-                scores = logits.float()  # a copy, unless the head is float32
+                # float32 as cross_entropy(logits.float()) computes it, without a float32 copy first.
+                log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
                 del logits
-                log_norm = torch.logsumexp(scores, dim=-1)
-                ce = log_norm - scores.gather(1, label[:, None]).squeeze(1)
-                loss += (weights[rows] * ce).sum()
+                label = labels[rows]
+                # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
+                correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
+                hits += torch.bincount(offsets[rows][correct], minlength=block_size)
+                loss -= (weights[rows] * log_probs.gather(1, label[:, None]).squeeze(1)).sum()
                 if needs_grad:
-                    probs = scores.sub_(log_norm[:, None]).exp_()        # in place: softmax
+                    probs = log_probs.exp_()  # in place: the softmax
                     probs[torch.arange(label.numel(), device=label.device), label] -= 1.0
-                    probs.mul_(scale[rows, None])
-                    grad_hidden[rows] = (probs.to(compute) @ head).to(hidden.dtype)
-                del scores
+                    # (softmax - one-hot) * w / normalizer, rounded once to the head's dtype, as the
+                    # unchunked backward rounds its float32 gradient on the way into the head.
+                    grad_logits = torch.mul(probs, scale[rows, None],
+                                            out=torch.empty(probs.shape, dtype=compute, device=probs.device))
+                    del probs
+                    grad_hidden[rows] = (grad_logits @ head).to(hidden.dtype)
+                    del grad_logits
+                del log_probs
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(hits)
         return loss / normalizer, hits
