@@ -22,6 +22,9 @@ from dflash.devices import visible_devices
 from dflash.mask_token import mask_token_problem
 
 DTYPES = ("float32", "bfloat16")
+# model.loss_chunk_size's default: at Qwen3-8B's vocabulary a chunk's logits and their gradient
+# take ~0.6 GiB, and 512-row matmuls keep the lm_head's throughput.
+DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
 
 
@@ -93,6 +96,9 @@ class ModelConfig(_Section):
     mask_token_id: int | None = None
     dtype: str = "float32"
     target_rows_per_pass: int | None = None
+    # Scored block positions per lm_head + cross-entropy chunk (`dflash.loss.chunked_head_loss`):
+    # bounds the logits to [loss_chunk_size, vocab]; null: a group's scored positions at once.
+    loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
     _name = "model"
 
     def __post_init__(self) -> None:
@@ -108,6 +114,9 @@ class ModelConfig(_Section):
         self._require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         if self.target_rows_per_pass is not None:
             self._require(self.target_rows_per_pass >= 1, "target_rows_per_pass", "must be >= 1")
+        if self.loss_chunk_size is not None:
+            self._require(self.loss_chunk_size >= 1, "loss_chunk_size",
+                          "must be >= 1 (scored positions per lm_head chunk) or null (no chunking)")
 
 
 @dataclass

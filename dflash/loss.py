@@ -149,3 +149,76 @@ def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     """Fraction of scored block positions whose argmax is the label (nan when none is scored)."""
     correct, scored = count_correct(logits, labels, weights)
     return correct / scored if scored else math.nan
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum(w * ce) / normalizer over the scored rows, with the frozen lm_head applied `chunk_size`
+    rows at a time. Each chunk's gradient with respect to `hidden` is computed while its logits
+    exist (softmax minus one-hot, times the row's weight, through the head), then the logits are
+    freed: no `[rows, vocab]` tensor outlives its chunk, and backward only scales the stored
+    `[rows, H]` gradient, so the head runs twice per row as in the unchunked path, not three times
+    as recomputation would. Under autocast the head and its gradient run in the autocast dtype and
+    the cross entropy in float32, as `F.linear` and `dflash_loss` do unchunked."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size):
+        needs_grad = ctx.needs_input_grad[0]
+        device_type = hidden.device.type
+        compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                   else weight.dtype)
+        head = weight.to(compute)  # one cast for all chunks (autocast would cast per chunk)
+        scale = weights / normalizer
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        with torch.autocast(device_type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = F.linear(hidden[rows].to(compute), head)
+                # float32 as cross_entropy(logits.float()) computes it, without a float32 copy first.
+                log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                del logits
+                label = labels[rows]
+                # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
+                correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
+                hits += torch.bincount(offsets[rows][correct], minlength=block_size)
+                loss -= (weights[rows] * log_probs.gather(1, label[:, None]).squeeze(1)).sum()
+                if needs_grad:
+                    probs = log_probs.exp_()  # in place: the softmax
+                    probs[torch.arange(label.numel(), device=label.device), label] -= 1.0
+                    # (softmax - one-hot) * w / normalizer, rounded once to the head's dtype, as the
+                    # unchunked backward rounds its float32 gradient on the way into the head.
+                    grad_logits = torch.mul(probs, scale[rows, None],
+                                            out=torch.empty(probs.shape, dtype=compute, device=probs.device))
+                    del probs
+                    grad_hidden[rows] = (grad_logits @ head).to(hidden.dtype)
+                    del grad_logits
+                del log_probs
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(hits)
+        return loss / normalizer, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_hits):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+
+
+def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
+                      weights: torch.Tensor, offsets: torch.Tensor, block_size: int, chunk_size: int,
+                      normalizer: float | torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """`dflash_loss(lm_head(hidden), labels, weights, normalizer)` over rows `[N, H]`, the head
+    applied `chunk_size` rows at a time (`_ChunkedHeadLoss`), with what `count_correct_by_position`
+    gives from the same chunks: per block position k (`offsets` giving each row's k), the scored
+    rows whose argmax is the label and the scored rows. The head must be frozen."""
+    if lm_head.weight.requires_grad or lm_head.bias is not None:
+        raise ValueError("chunked_head_loss needs a frozen lm_head without bias")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    total = weights.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weights.dtype)
+    total = total.to(weights.device).clamp_min(1e-6)
+    loss, hits = _ChunkedHeadLoss.apply(hidden, lm_head.weight, labels, weights.float(), offsets, total,
+                                        chunk_size, block_size)
+    counts = torch.bincount(offsets[weights > 0], minlength=block_size)
+    return loss, hits.tolist(), counts.tolist()

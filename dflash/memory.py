@@ -7,11 +7,18 @@
   `profile_memory=True` records every allocation and free of torch's CPU allocator as a
   `[memory]` event with a signed byte count; the running sum of those events in time order is the
   memory the call holds at each moment beyond what existed before it, and its maximum is the peak.
+- CPU, whole process (`peak_rss_bytes`): the kernel's high-water mark of resident memory, reset
+  just before the call (`echo 5 > /proc/self/clear_refs`), minus the resident size then. It counts
+  every page the call touches (torch's allocator, the Python heap, libraries' buffers), so it is
+  meant for a fresh process that does little else; it costs nothing during the call, where the
+  profiler records an event per allocation.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -49,3 +56,19 @@ def peak_allocated_bytes(fn: Callable[[], object], device: str | torch.device = 
     if device.type == "cuda":
         return _cuda_peak_bytes(fn, device)
     return _cpu_peak_bytes(fn)
+
+
+def _status_bytes(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def peak_rss_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+    """Run `fn()` and return (its result, the peak resident memory of the process during it above
+    its resident size before it). Linux only. Free heap pages are returned to the kernel first
+    (`malloc_trim`), so that memory freed earlier and reused by the call is counted."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    before = _status_bytes("VmRSS:")
+    result = fn()
+    return result, _status_bytes("VmHWM:") - before

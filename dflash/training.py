@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.config import OptimConfig, TrainConfig
-from dflash.loss import build_block_batch, count_correct_by_position, dflash_loss, sample_anchors
+from dflash.loss import (
+    BlockBatch,
+    build_block_batch,
+    chunked_head_loss,
+    count_correct_by_position,
+    dflash_loss,
+    sample_anchors,
+)
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import TargetHead, build_target_layer_ids, resolve_mask_token_id
 
@@ -89,6 +96,25 @@ def document_groups(bounds: list[int], blocks_per_document: list[int], max_token
             groups.append((doc, doc + 1))
             tokens, blocks = length, n_blocks
     return [(first, last) for first, last in groups if sum(blocks_per_document[first:last])]
+
+
+def scored_loss(drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch,
+                normalizer: float | torch.Tensor,
+                chunk_size: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
+    """A group's share of the batch loss (sum(w * ce) / `normalizer`) from the drafter's hidden
+    states `[Q, H]`, and per block position the scored predictions equal to the label and the
+    scored predictions. The lm_head (vocab-wide) runs only where a position is scored, never on
+    anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all at once when None."""
+    block_size = drafter.cfg.block_size
+    is_scored = batch.weights > 0
+    labels, weights = batch.labels[is_scored], batch.weights[is_scored]
+    offsets = (torch.arange(is_scored.numel(), device=is_scored.device) % block_size)[is_scored]
+    if chunk_size is not None:
+        return chunked_head_loss(hidden[is_scored], drafter.lm_head, labels, weights, offsets, block_size,
+                                 chunk_size, normalizer)
+    logits = drafter.logits(hidden[is_scored])
+    loss = dflash_loss(logits, labels, weights, normalizer=normalizer)
+    return (loss, *count_correct_by_position(logits, labels, weights, offsets, block_size))
 
 
 @dataclass
@@ -169,16 +195,10 @@ class DrafterTrainer:
                 with compute_precision(self.cfg, device):
                     hidden = self.drafter(features[start:end], position_ids[start:end],
                                           batch.block_input_ids, batch.block_positions, batch.sparse_mask)
-                    # The lm_head (vocab-wide) runs only where a position is scored: never on anchors.
-                    is_scored = batch.weights > 0
-                    labels, weights = batch.labels[is_scored], batch.weights[is_scored]
-                    logits = self.drafter.logits(hidden[is_scored])
-                    loss = dflash_loss(logits, labels, weights, normalizer=total_weight)
+                    loss, hits, counts = scored_loss(self.drafter, hidden, batch, total_weight,
+                                                     self.cfg.model.loss_chunk_size)
                 loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
             loss_sum += float(loss.detach())
-            offsets = torch.arange(is_scored.numel(), device=device) % dcfg.block_size
-            hits, counts = count_correct_by_position(logits, labels, weights, offsets[is_scored],
-                                                     dcfg.block_size)
             hits_by_position = [a + b for a, b in zip(hits_by_position, hits, strict=True)]
             counts_by_position = [a + b for a, b in zip(counts_by_position, counts, strict=True)]
         lr = self.scheduler.get_last_lr()[0]

@@ -195,6 +195,7 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 def test_the_pipeline_trains_on_two_gpus_with_nccl_bf16_target_and_fp32_master_drafter(
         write_config, start_run):

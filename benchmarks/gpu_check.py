@@ -1,0 +1,326 @@
+"""The GPU check for one CUDA GPU, in one command: `python3 -m benchmarks.gpu_check --out DIR`.
+
+Four parts, each in its own process where it measures memory, on cuda:0:
+
+a. the drafter step at the paper's shape and Qwen3-8B's width (5 layers, one sequence of 3072
+   tokens with 512 anchors, blocks of 16, H 4096, vocabulary 151936; bf16 autocast over fp32
+   master weights, the AdamW step included), unchunked and chunked (`benchmarks.drafter_step`):
+   samples (sequences) per second and `torch.cuda.max_memory_allocated`, weights and AdamW state
+   included, beside SpecForge's published figure for Qwen3-8B on 8 x H200 (about 45 GB and 7
+   samples/s per trainer GPU at batch 2);
+b. target capture of a random Qwen3-8B-shaped target (36 layers, bf16) on a batch of 8 x 3072
+   tokens (docs/SCALE.md's target GPU): tokens/s and peak, whole batch and
+   `model.target_rows_per_pass: 1`;
+c. the tests that skip without CUDA (`pytest -m gpu`);
+d. a short single-process training run (target and drafter on cuda:0, `dflash.train`): a run
+   stopped by SIGTERM checkpoints and exits 0, its resume gives the uninterrupted run's losses.
+
+It prints one table and a JSON line and writes both to `--out` (`gpu_check.txt`, `gpu_check.json`);
+exit 0 when every part passed. One GPU cannot show nccl between ranks, DDP's all-reduce, or the
+target and drafter ranks on separate GPUs: those need the multi-GPU pipeline test on >= 2 GPUs.
+`--dry-run` runs the same code on CPU at a tiny width, so that the check is known to work before a
+GPU sees it (`tests/dflash/test_gpu_check.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.drafter_step import measure_in_subprocess
+from dflash.config import DEFAULT_LOSS_CHUNK_SIZE
+from dflash.memory import peak_allocated_bytes
+from dflash.target import build_target_layer_ids, target_hidden_states
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECFORGE = "SpecForge, Qwen3-8B, 8 x H200: ~45 GB and ~7 samples/s per trainer GPU at batch 2"
+NOT_SHOWN = ("one GPU cannot show: nccl between ranks, DDP's gradient all-reduce, target and drafter "
+             "ranks on separate GPUs (tests/pipeline's 2-GPU test)")
+# The paper's drafter step at Qwen3-8B's width, and a tiny stand-in for --dry-run.
+DRAFTER_SHAPE = {"full": dict(seq_len=3072, anchors=512, layers=5, hidden=4096, intermediate=12288, heads=32,
+                              kv_heads=8, head_dim=128, vocab=151936),
+                 "dry": dict(seq_len=256, anchors=16, layers=2, hidden=64, intermediate=128, heads=4,
+                             kv_heads=2, head_dim=16, vocab=512)}
+TARGET_SHAPE = {"full": dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
+                             vocab=151936, batch=8, max_len=3072),
+                "dry": dict(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                            vocab=512, batch=2, max_len=64)}
+
+
+def drafter_part(mode: str, device: str) -> dict:
+    # On a GPU the warm-up runs the measured shape (kernel selection, allocator growth) and the
+    # fastest of 3 steps counts; the dry run only shows that the code runs.
+    full = mode == "full"
+    shape = {**DRAFTER_SHAPE[mode], "block_size": 16, "optimizer": True, "repeats": 3 if full else 1,
+             "warmup_anchors": DRAFTER_SHAPE[mode]["anchors"] if full else 4}
+    rows = {}
+    for name, chunk in (("unchunked", None), ("chunked", DEFAULT_LOSS_CHUNK_SIZE)):
+        r = measure_in_subprocess({**shape, "chunk_size": chunk}, device, threads=os.cpu_count() or 1)
+        rows[name] = {"samples_per_s": r["samples_per_s"], "peak_gib": r["peak_gib"], "loss": r["loss"]}
+    rows["peak_ratio"] = round(rows["chunked"]["peak_gib"] / rows["unchunked"]["peak_gib"], 3)
+    rows["time_ratio"] = round(rows["unchunked"]["samples_per_s"] / rows["chunked"]["samples_per_s"], 3)
+    rows["reference"] = SPECFORGE
+    rows["shape"] = (f"{shape['layers']} layers, H {shape['hidden']}, {shape['seq_len']} tokens, "
+                     f"{shape['anchors']} anchors, AdamW")
+    return rows
+
+
+def random_target(shape: dict, device: torch.device):
+    """A randomly initialised Qwen3 of `shape` in bf16, created on `device` (no host copy)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                         head_dim=shape["head_dim"], max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
+def capture_part(mode: str, device: str) -> dict:
+    """Run in a child process (`--part capture`): the target's peak is this process's alone."""
+    shape, dev = TARGET_SHAPE[mode], torch.device(device)
+    target = random_target(shape, dev)
+    layer_ids = build_target_layer_ids(shape["layers"], 5)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["max_len"]), generator=g).to(dev)
+    attention_mask = torch.ones_like(input_ids)
+    tokens = int(attention_mask.sum())
+    rows = {}
+    for name, rows_per_pass in (("whole_batch", None), ("rows_per_pass_1", 1)):
+        def capture(rows_per_pass=rows_per_pass):
+            return target_hidden_states(target, input_ids, attention_mask, layer_ids,
+                                        rows_per_pass=rows_per_pass)
+
+        capture()  # warm-up
+        seconds = []
+        for _ in range(2):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            started = time.perf_counter()
+            _, peak = peak_allocated_bytes(capture, dev)
+            seconds.append(time.perf_counter() - started)
+        rows[name] = {"tokens_per_s": round(tokens / min(seconds)), "peak_gib": round(peak / 2**30, 3)}
+    rows["batch"] = f"{shape['batch']} x {shape['max_len']}"
+    rows["shape"] = f"random Qwen3, {shape['layers']} layers, H {shape['hidden']}"
+    return rows
+
+
+def run_part_in_subprocess(part: str, mode: str, device: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part, "--mode", mode, "--device", device]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"{part}: exit {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_tests_part(mode: str, device: str) -> dict:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"status": "not run: pytest is not installed in this Python"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/dflash",
+           "tests/pipeline"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+    summary = (done.stdout.strip().splitlines() or [""])[-1].strip("= ")
+    # pytest exits 5 when every test was deselected; on CPU the selected ones skip (exit 0).
+    if done.returncode not in (0, 5):
+        raise RuntimeError(f"pytest -m gpu: exit {done.returncode}: {done.stdout[-3000:]}")
+    return {"summary": summary, "skipped": [line for line in done.stdout.splitlines() if "SKIPPED" in line]}
+
+
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def write_training_inputs(work: Path, device: str) -> Path:
+    """A tiny random Qwen3 target, a data set of random tokens and a config training a drafter on
+    them in one process on `device`; returns the config's path."""
+    import yaml
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=256)).save_pretrained(work / "target")
+    g = torch.Generator().manual_seed(0)
+    with (work / "train.jsonl").open("w") as f:
+        for _ in range(64):
+            ids = torch.randint(0, 255, (64,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 8 + [1] * 56}) + "\n")
+    raw = {
+        "model": {"target_path": str(work / "target"), "num_draft_layers": 1, "block_size": 8,
+                  "mask_token_id": 255, "dtype": "bfloat16" if device == "cuda" else "float32"},
+        "data": {"path": str(work / "train.jsonl"), "max_length": 64, "batch_size": 4, "max_anchors": 16},
+        "optim": {"total_steps": 8},
+        # The pause lets the signal land mid-run whatever the device's speed; the resume runs without it.
+        "run": {"output_dir": str(work / "run"), "save_every": 1000, "step_delay": 0.2},
+        "pipeline": {"device": device},
+    }
+    (work / "config.yaml").write_text(yaml.safe_dump(raw))
+    return work / "config.yaml"
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _train(config: Path, output_dir: Path, stop_after: int | None = None) -> tuple[int, list[dict]]:
+    """`python -m dflash.train` with the run's output in `output_dir`; SIGTERM once step `stop_after`
+    is logged. Returns (exit status, its JSON events)."""
+    import yaml
+
+    raw = yaml.safe_load(config.read_text())
+    raw["run"]["output_dir"] = str(output_dir)
+    if stop_after is None:
+        raw["run"]["step_delay"] = 0.0
+    path = output_dir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(raw))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.train", "--config", str(path)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen += _events(line)
+            if stop_after is not None and seen and seen[-1].get("event") == "step" \
+                    and seen[-1]["step"] >= stop_after:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"dflash.train exit {proc.returncode}: {err[-2000:]}")
+    return proc.returncode, seen + _events(rest)
+
+
+def training_part(mode: str, device: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        work = Path(tmp)
+        config = write_training_inputs(work, device)
+        _, reference = _train(config, work / "reference")
+        _, stopped = _train(config, work / "interrupted", stop_after=3)
+        _, resumed = _train(config, work / "interrupted")
+    losses = {e["step"]: e["loss"] for e in reference if e["event"] == "step"}
+    stop = next(e for e in stopped if e["event"] == "stop")
+    again = {e["step"]: e["loss"] for e in stopped + resumed if e["event"] == "step"}
+    resume = next(e for e in resumed if e["event"] == "resume")
+    if resume["step"] != stop["step"] or sorted(again) != sorted(losses):
+        raise RuntimeError(f"stopped at {stop['step']}, resumed at {resume['step']}, steps {sorted(again)}")
+    worst = max(abs(again[s] - losses[s]) / abs(losses[s]) for s in losses)
+    device_seen = next(e.get("device") for e in reference if e["event"] == "start")
+    return {"device": device_seen, "steps": len(losses), "stopped_at": stop["step"], "stop": stop["reason"],
+            "losses_equal": again == losses, "max_rel_loss_diff": worst,
+            "loss_first_last": [losses[min(losses)], losses[max(losses)]]}
+
+
+def passed(name: str, result: dict, device: str) -> bool:
+    if name != "training":
+        return True
+    # Bitwise equal on CPU; CUDA kernels (atomics in attention's backward) need not repeat bit for bit
+    # even between two uninterrupted runs, so there a relative 1e-5 counts as the same losses.
+    return result["losses_equal"] or (device == "cuda" and result["max_rel_loss_diff"] <= 1e-5)
+
+
+def table(results: dict, header: str) -> str:
+    lines = [header]
+    a = results["drafter_step"]
+    if "error" not in a:
+        lines += [f"a. drafter step ({a['shape']}; peak: weights, AdamW state and activations)",
+                  f"   {'path':>10} | {'samples/s':>9} | {'peak GiB':>8}"]
+        lines += [f"   {p:>10} | {a[p]['samples_per_s']:>9} | {a[p]['peak_gib']:>8}"
+                  for p in ("unchunked", "chunked")]
+        lines += [f"   chunked/unchunked: peak {a['peak_ratio']}x, time {a['time_ratio']}x",
+                  f"   reference: {a['reference']}"]
+    b = results["target_capture"]
+    if "error" not in b:
+        lines += [f"b. target capture ({b['shape']}, bf16, batch {b['batch']}; peak above the weights)",
+                  f"   {'path':>16} | {'tokens/s':>9} | {'peak GiB':>8}"]
+        lines += [f"   {p:>16} | {b[p]['tokens_per_s']:>9} | {b[p]['peak_gib']:>8}"
+                  for p in ("whole_batch", "rows_per_pass_1")]
+    c = results["gpu_tests"]
+    if "error" not in c:
+        lines += [f"c. pytest -m gpu: {c.get('summary', c.get('status'))}"]
+    d = results["training"]
+    if "error" not in d:
+        lines += [f"d. training on {d['device']}: {d['steps']} steps, {d['stop']} at step {d['stopped_at']}, "
+                  f"resumed; losses equal: {d['losses_equal']} (max rel diff {d['max_rel_loss_diff']:.1e})"]
+    lines += [f"{name}: FAILED: {r['error'].splitlines()[0][:300]}"
+              for name, r in results.items() if "error" in r]
+    lines += [NOT_SHOWN]
+    return "\n".join(lines)
+
+
+PARTS = {"drafter_step": drafter_part, "target_capture": lambda mode, device: run_part_in_subprocess(
+    "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu_check",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=False, help="directory for gpu_check.txt and gpu_check.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU at a tiny width (before a GPU sees it)")
+    parser.add_argument("--part", choices=["capture"], help=argparse.SUPPRESS)  # a child's part
+    parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:
+        print(json.dumps(capture_part(args.mode, args.device)))
+        return 0
+    if not args.out:
+        parser.error("--out DIR is required")
+    mode, device = ("dry", "cpu") if args.dry_run else ("full", "cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device is visible (torch {torch.__version__}); nothing was measured. "
+              "--dry-run runs the check on CPU at a tiny width.", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run, tiny width)"
+    header = (f"gpu_check {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {name}; "
+              f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(header, flush=True)
+    results = {}
+    for part, fn in PARTS.items():
+        part_started = time.monotonic()
+        try:
+            results[part] = fn(mode, device)
+        except Exception as exc:  # one part's failure must not hide the others' figures
+            results[part] = {"error": "".join(traceback.format_exception_only(exc)).strip()}
+        results[part]["seconds"] = round(time.monotonic() - part_started, 1)
+        print(f"{part}: done in {results[part]['seconds']} s", flush=True)
+    ok = all("error" not in r and passed(p, r, device) for p, r in results.items())
+    text = table(results, header)
+    record = {"device": name, "dry_run": args.dry_run, "ok": ok,
+              "seconds": round(time.monotonic() - started, 1), "not_shown": NOT_SHOWN, **results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.txt").write_text(text + "\n")
+    (out / "gpu_check.json").write_text(json.dumps(record) + "\n")
+    print(text)
+    print(json.dumps(record))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
