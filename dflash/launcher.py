@@ -201,6 +201,9 @@ class Launcher:
         self.stop_requested = False
         self.stop_forwarded = False
         self.last_failure: str | None = None
+        # The attempt's first worker to report an error of its own: the cause when the others then fail
+        # (a lost peer), whichever of them torchrun happens to see exit first.
+        self.first_error: WorkerState | None = None
         self.stderr_tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.process: subprocess.Popen | None = None
 
@@ -246,6 +249,7 @@ class Launcher:
             self.update_status(step=record.get("step"), last_checkpoint=path)
         elif event == "error" and worker is not None:
             worker.error = record.get("message")
+            self.first_error = self.first_error or worker
         elif event == "stop" and worker is not None:
             worker.state = "stopped"
             self.update_status()
@@ -261,6 +265,7 @@ class Launcher:
         if restart > self.attempt:  # torchrun restarted the group
             self.attempt = restart
             self.workers = {}
+            self.first_error = None
             cause = self.last_failure or "a worker failed"
             self.emit("restart", restart=restart, max_restarts=self.cfg.pipeline.max_restarts, cause=cause)
             self.update_status(state="stopping" if self.stop_requested else "starting", restarts=restart)
@@ -286,8 +291,17 @@ class Launcher:
                     worker.state = "failed"
                 detail = worker.error if worker is not None and worker.error else None
                 how = f"was {describe_exit(code)}" if code < 0 else f"failed with {describe_exit(code)}"
-                self.last_failure = f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else "")
+                self.last_failure = self._first_reported_error(unless=worker) or (
+                    f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else ""))
                 self.update_status()
+
+    def _first_reported_error(self, unless=None) -> str | None:
+        """The error the attempt's first failing worker reported itself (None if none did, or if it is
+        `unless`, the worker torchrun names, whose own report is then used)."""
+        cause = self.first_error
+        if cause is None or cause is unless:
+            return None
+        return f"worker {cause.spec.name} (pid {cause.pid}) failed: {cause.error}"
 
     def _pump(self, stream, handle) -> None:
         for raw in stream:
@@ -345,7 +359,8 @@ class Launcher:
             self.emit("exit", returncode=0, restarts=self.attempt)
             return 0
         last_line = next((line for line in reversed(self.stderr_tail) if line.strip()), "no error output")
-        error = self.last_failure or f"torchrun failed with {describe_exit(code)}: {last_line}"
+        error = (self.last_failure or self._first_reported_error()
+                 or f"torchrun failed with {describe_exit(code)}: {last_line}")
         if self.attempt >= self.cfg.pipeline.max_restarts and self.last_failure:
             error += f" (after {self.attempt} restart(s) of {self.cfg.pipeline.max_restarts} allowed)"
         self.emit("error", message=error, stderr_tail="\n".join(self.stderr_tail))
