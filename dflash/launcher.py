@@ -202,7 +202,8 @@ class Launcher:
         self.stop_forwarded = False
         self.last_failure: str | None = None
         # The attempt's first worker to report an error of its own: the cause when the others then fail
-        # (a lost peer), whichever of them torchrun happens to see exit first.
+        # (a lost peer). torchrun names the earliest failure it sees, by a timestamp in whole seconds,
+        # so of workers that ended in one second it names the lowest local rank, not the first.
         self.first_error: WorkerState | None = None
         self.stderr_tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.process: subprocess.Popen | None = None
@@ -291,7 +292,9 @@ class Launcher:
                     worker.state = "failed"
                 detail = worker.error if worker is not None and worker.error else None
                 how = f"was {describe_exit(code)}" if code < 0 else f"failed with {describe_exit(code)}"
-                self.last_failure = self._first_reported_error(unless=worker) or (
+                # A worker killed by a signal reports nothing itself: torchrun's word is all there is.
+                reported = self._first_reported_error(unless=worker) if code > 0 else None
+                self.last_failure = reported or (
                     f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else ""))
                 self.update_status()
 

@@ -38,6 +38,14 @@ def test_the_worker_torchrun_names_keeps_its_exit_when_it_reported_first(launche
     assert launcher.last_failure.endswith(": injected failure")
 
 
+def test_a_worker_killed_by_a_signal_is_the_cause_though_a_peer_reported_first(launcher):
+    """SIGKILL (an OOM kill) leaves the victim no word of its own; its peers then report a lost peer."""
+    launcher._on_line(json.dumps({"event": "error", "worker": "drafter0", "message": "peer lost"}))
+    torchrun_reports(launcher, local_rank=2, pid=103, exitcode=-9)
+    assert launcher.last_failure.startswith("worker target1 (pid 103) was ")
+    assert "SIGKILL" in launcher.last_failure
+
+
 def test_without_a_reported_error_torchruns_report_is_the_cause(launcher):
     torchrun_reports(launcher, local_rank=1, pid=102)
     assert launcher.last_failure.startswith("worker target0 (pid 102) failed with ")
