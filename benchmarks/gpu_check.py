@@ -242,22 +242,25 @@ def passed(name: str, result: dict, device: str) -> bool:
     return result["losses_equal"] or (device == "cuda" and result["max_rel_loss_diff"] <= 1e-5)
 
 
+def path_rows(part: dict, paths: tuple[str, ...], rate: str, width: int) -> list[str]:
+    """A part's paths side by side: each path's rate and peak."""
+    label = rate.replace("_per_s", "/s")
+    return [f"   {'path':>{width}} | {label:>9} | {'peak GiB':>8}"] + [
+        f"   {p:>{width}} | {part[p][rate]:>9} | {part[p]['peak_gib']:>8}" for p in paths]
+
+
 def table(results: dict, header: str) -> str:
     lines = [header]
     a = results["drafter_step"]
     if "error" not in a:
-        lines += [f"a. drafter step ({a['shape']}; peak: weights, AdamW state and activations)",
-                  f"   {'path':>10} | {'samples/s':>9} | {'peak GiB':>8}"]
-        lines += [f"   {p:>10} | {a[p]['samples_per_s']:>9} | {a[p]['peak_gib']:>8}"
-                  for p in ("unchunked", "chunked")]
+        lines += [f"a. drafter step ({a['shape']}; peak: weights, AdamW state and activations)"]
+        lines += path_rows(a, ("unchunked", "chunked"), "samples_per_s", 10)
         lines += [f"   chunked/unchunked: peak {a['peak_ratio']}x, time {a['time_ratio']}x",
                   f"   reference: {a['reference']}"]
     b = results["target_capture"]
     if "error" not in b:
-        lines += [f"b. target capture ({b['shape']}, bf16, batch {b['batch']}; peak above the weights)",
-                  f"   {'path':>16} | {'tokens/s':>9} | {'peak GiB':>8}"]
-        lines += [f"   {p:>16} | {b[p]['tokens_per_s']:>9} | {b[p]['peak_gib']:>8}"
-                  for p in ("whole_batch", "rows_per_pass_1")]
+        lines += [f"b. target capture ({b['shape']}, bf16, batch {b['batch']}; peak above the weights)"]
+        lines += path_rows(b, ("whole_batch", "rows_per_pass_1"), "tokens_per_s", 16)
     c = results["gpu_tests"]
     if "error" not in c:
         lines += [f"c. pytest -m gpu: {c.get('summary', c.get('status'))}"]

@@ -38,18 +38,6 @@ def open_connection(hostvars, **options):
     return conn
 
 
-def peak_mib_of(call):
-    """Peak resident memory of `call()` above the process's size before it (MiB)."""
-    def status(field):
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
-        return int(line.split()[1]) / 1024
-
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-    before = status("VmRSS:")
-    call()
-    return status("VmHWM:") - before
-
-
 def b64(data):
     return base64.b64encode(data).decode()
 
@@ -117,7 +105,9 @@ if __name__ == "__main__":
         conn = open_connection(hostvars, **(json.loads(Path(args[0]).read_text()) if args else {}))
         serve(conn, sys.stdin, sys.stdout)
     else:
+        from dflash.memory import peak_rss_bytes
+
         conn = open_connection(hostvars)
         transfer = conn.put_file if verb == "put" else conn.fetch_file
-        print(f"{peak_mib_of(lambda: transfer(*args)):.1f}")
+        print(f"{peak_rss_bytes(lambda: transfer(*args))[1] / 2**20:.1f}")
     conn.close()
