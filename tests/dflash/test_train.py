@@ -22,6 +22,7 @@ from dflash.runtime import EventLog, StopSignal
 from dflash.target import load_target
 from dflash.train import main as train_main
 from dflash.train import run_single_process
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,9 +161,7 @@ def test_a_second_signal_only_sets_the_flag_again():
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
-        deadline = time.monotonic() + 5
-        while not stop.requested and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_for(lambda: stop.requested, 5, interval=0.01)
         assert stop.requested and stop.signal_name == "SIGTERM"
         started = time.monotonic()
         stop.sleep(5)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import yaml
 
 from pvesim.fleet import prepare_assets
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,16 +70,19 @@ class TrainProcess:
             return None
 
     def wait_for(self, predicate, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """The run's status once `predicate(status)` holds; fails at once if the run exits first."""
+        def held():
             status = self.status()
             if status is not None and predicate(status):
                 return status
             if self.process.poll() is not None:
                 raise AssertionError(f"the run exited ({self.process.returncode}) before the condition "
                                      f"held:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting; last status {self.status()}")
+            return None
+
+        status = wait_for(held, timeout, interval=0.1)
+        assert status, f"timed out waiting; last status {self.status()}"
+        return status
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)

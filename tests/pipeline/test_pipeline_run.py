@@ -140,15 +140,15 @@ def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run)
 
 def wait_for_event(run, predicate, timeout: float = 120) -> tuple[int, dict]:
     """(index, event) of the first event of the run's log that satisfies `predicate(index, event)`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = next(((i, e) for i, e in enumerate(run.events()) if predicate(i, e)), None)
-        if found:
-            return found
-        if run.process.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise AssertionError(f"no such event (exit {run.process.poll()}):\n{run.log_path.read_text()[-3000:]}")
+    def found():
+        event = next(((i, e) for i, e in enumerate(run.events()) if predicate(i, e)), None)
+        return event or (run.process.poll() is not None and "exited")
+
+    event = wait_for(found, timeout, interval=0.1)
+    if not isinstance(event, tuple):
+        log = run.log_path.read_text()[-3000:]
+        raise AssertionError(f"no such event (exit {run.process.poll()}):\n{log}")
+    return event
 
 
 def after(index: int, event: str):

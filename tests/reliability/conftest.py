@@ -7,12 +7,12 @@ DFLASH_RELIABILITY_FULL=1 and runs the full counts docs/RELIABILITY.md reports (
 test-reliability` selects `reliability or reliability_full`.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # trial_counts and the *_support modules
+from pvesim.fleet import Fleet
+from tests.reliability.stops_support import CONTAINERS
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +20,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.reliability)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory):
+    """The stop tests' fleet: one node with CT 200-203, the release deployed and a run live in each.
+
+    Bringing a fleet up and deploying to it is most of the cost of these tests, so the modules that
+    take this fixture share one per pytest process (per xdist worker). Each test starts by putting
+    the containers it uses into the state it needs (runs live or stopped). A module that needs
+    another fleet defines its own `fleet` fixture, which takes precedence over this one."""
+    # Four GPUs per container (the run's two, a second run's one, one spare): 16 on the node.
+    shared = Fleet(tmp_path_factory.mktemp("stops-fleet"), nodes=1, containers=CONTAINERS,
+                   gpus=4 * len(CONTAINERS))
+    try:
+        res = shared.play("deploy.yml", "-e", f"dflash_fleet_serial={len(CONTAINERS)}", timeout=1800)
+        if res.rc != 0:
+            pytest.fail(f"the stop tests' fleet did not deploy: {res}")
+        yield shared
+    finally:
+        shared.down()

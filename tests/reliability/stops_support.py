@@ -11,12 +11,11 @@ import os
 import random
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 
 import pytest
 
-from pvesim.fleet import REPO, Fleet
+from pvesim.fleet import REPO
 
 CONTAINERS = (200, 201, 202, 203)
 MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
@@ -248,46 +247,6 @@ def trainer_processes(fleet, vmid):
     """The trainer's processes in the container (launcher, torchrun, workers), as `ps` lists them."""
     res = fleet.ct(vmid, "ps -eo pid,args")
     return [line for line in res.stdout.splitlines() if "dflash." in line or "torch.distributed.run" in line]
-
-
-def wait_until(predicate, timeout, interval=0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-# ---------------------------------------------------------------------------------------------
-# The fleet the stop tests share
-
-_SHARED = {}
-
-
-def shared_fleet(tmp_path_factory):
-    """One node with CT 200-203, the release deployed and a run live in each: the body of each
-    test module's session fixture (`yield from shared_fleet(tmp_path_factory)`).
-
-    Bringing a fleet up and deploying to it is most of the cost of these tests, so the test
-    modules share one: pytest gives each module its own fixture instance, and the cache makes
-    them one fleet, taken down at the end of the session by the first. Each test starts by
-    putting the containers it uses into the state it needs (runs live or stopped)."""
-    if "fleet" in _SHARED:
-        yield _SHARED["fleet"]
-        return
-    # Four GPUs per container (the run's two, a second run's one, one spare): 16 on the node.
-    fleet = Fleet(tmp_path_factory.mktemp("stops-fleet"), nodes=1, containers=CONTAINERS,
-                  gpus=4 * len(CONTAINERS))
-    try:
-        res = fleet.play("deploy.yml", "-e", f"dflash_fleet_serial={len(CONTAINERS)}", timeout=1800)
-        if res.rc != 0:
-            pytest.fail(f"the stop tests' fleet did not deploy: {res}")
-        _SHARED["fleet"] = fleet
-        yield fleet
-    finally:
-        _SHARED.pop("fleet", None)
-        fleet.down()
 
 
 def hosts(vmids):

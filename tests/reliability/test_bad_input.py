@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from input_support import RunSnapshot, deployed_fleet, doc_table, shown
+
+from tests.reliability.input_support import RunSnapshot, deployed_fleet, doc_table, shown
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

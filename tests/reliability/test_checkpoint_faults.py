@@ -26,12 +26,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from checkpoint_support import BEFORE_RENAME, POINTS
-from trial_counts import trials
 
 from dflash.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
 from dflash.target import load_target
 from pvesim.fleet import REPO, prepare_assets
+from tests.reliability.checkpoint_support import BEFORE_RENAME, POINTS
+from tests.reliability.trial_counts import trials
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +71,11 @@ class Trainer:
                 if line.startswith("{") and line.endswith("}")]
 
     def wait_for(self, predicate, what: str, timeout: float = EVENT_TIMEOUT_S):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = predicate()
-            if found:
-                return found
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.01)
+        exited = object()
+        found = wait_for(lambda: predicate() or (self.proc.poll() is not None and exited),
+                         timeout, interval=0.01)
+        if found and found is not exited:
+            return found
         self.kill()
         pytest.fail(f"no {what} (exit {self.proc.poll()}); log:\n{self.log.read_text()[-3000:]}")
 

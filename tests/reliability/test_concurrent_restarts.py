@@ -11,7 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from stops_support import (
+
+from tests.reliability.stops_support import (
     PIDFILE,
     PROC_ENTRIES,
     ensure_runs,
@@ -19,18 +20,13 @@ from stops_support import (
     kill_sessions,
     process_table,
     rng_for,
-    shared_fleet,
     spawn,
     still_there,
 )
-from trial_counts import trials
+from tests.reliability.trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory):
-    yield from shared_fleet(tmp_path_factory)
 
 VMID = 203
 SAMPLES = "/tmp/stops-concurrent-samples.jsonl"

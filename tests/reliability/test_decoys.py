@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
-from stops_support import (
+
+from tests.reliability.stops_support import (
     CONTAINERS,
     LOG,
     PIDFILE,
@@ -27,19 +28,14 @@ from stops_support import (
     process_table,
     rng_for,
     run_group,
-    shared_fleet,
     spawn,
     still_there,
     training_run,
 )
-from trial_counts import trials
+from tests.reliability.trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory):
-    yield from shared_fleet(tmp_path_factory)
 
 KINDS = ("connection shell", "tail -f of the log", "editor on run.sh", "trainer's name", "second run")
 SECOND_RUN_GPU = 3  # a second run of another name, on a GPU of its own

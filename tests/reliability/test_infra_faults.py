@@ -9,9 +9,9 @@ it runs under `make test-reliability` only (`make test` checks host keys in test
 import json
 
 import pytest
-from input_support import RunSnapshot, deployed_fleet, shown, unreachable
 
 from pvesim.fleet import change_code
+from tests.reliability.input_support import RunSnapshot, deployed_fleet, shown, unreachable
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -20,7 +20,9 @@ import random
 import time
 
 import pytest
-from deploy_faults_support import (
+
+from pvesim.fleet import Fleet, change_code
+from tests.reliability.deploy_faults_support import (
     RELEASES,
     VMID,
     Outcome,
@@ -35,9 +37,8 @@ from deploy_faults_support import (
     validations_in_flight,
     wait_until_quiet,
 )
-from trial_counts import trials
-
-from pvesim.fleet import Fleet, change_code
+from tests.reliability.trial_counts import trials
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -85,15 +86,15 @@ def after_kill(fleet, old: dict, offset: int) -> Outcome:
 
 def wait_for_first_step(fleet, pid: int, offset: int, timeout=180) -> list[dict]:
     """The log's events from `offset` once the run `pid` has logged its first step."""
-    deadline = time.monotonic() + timeout
-    while True:
-        events = log_events(fleet, offset=offset)
-        start = next((i for i, e in enumerate(events) if e["event"] == "start" and e.get("pid") == pid), None)
-        if start is not None and any(e["event"] == "step" for e in events[start:]):
-            return events
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {pid} logged no step within {timeout} s: {events[-5:]}")
-        time.sleep(2)
+    seen = []
+
+    def stepped():
+        seen[:] = log_events(fleet, offset=offset)
+        start = next((i for i, e in enumerate(seen) if e["event"] == "start" and e.get("pid") == pid), None)
+        return start is not None and any(e["event"] == "step" for e in seen[start:])
+
+    assert wait_for(stepped, timeout, interval=2), f"run {pid} logged no step within {timeout} s: {seen[-5:]}"
+    return list(seen)
 
 
 def after_converge(fleet, old: dict, old_release: str, outcome: Outcome, offset: int) -> list[str]:

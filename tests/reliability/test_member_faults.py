@@ -10,9 +10,9 @@ and the status of such a run). The tests share one fleet and run in order.
 import json
 
 import pytest
-from input_support import InputFleet
-from stops_support import trainer_processes
 
+from tests.reliability.input_support import InputFleet
+from tests.reliability.stops_support import trainer_processes
 from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]

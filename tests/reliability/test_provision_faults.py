@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from deploy_faults_support import REPO, kill_deploy_when
-from input_support import InputFleet, doc_table, shown
-from trial_counts import trials
 
 from pvesim.fleet import VENV_BIN
+from tests.reliability.deploy_faults_support import REPO, kill_deploy_when
+from tests.reliability.input_support import InputFleet, doc_table, shown
+from tests.reliability.trial_counts import trials
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 

@@ -11,11 +11,11 @@ import pytest
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from input_support import REPO
 
 from pvesim import host
 from pvesim.fleet import VENV_BIN, ansible_env, run_module
 from pvesim.sim import Sim, SimNode, inventory_data
+from tests.reliability.input_support import REPO
 
 SUDOERS = REPO / "inventory" / "production.example" / "sudoers.d" / "ansible_pct"
 # Where host key checking could be turned off: Ansible's config, the inventories, the playbooks and

@@ -14,7 +14,8 @@ import json
 import shlex
 
 import pytest
-from stops_support import (
+
+from tests.reliability.stops_support import (
     CONTAINERS,
     FAKE_RUN,
     PIDFILE,
@@ -26,19 +27,14 @@ from stops_support import (
     make_zombie,
     process_table,
     results_with,
-    shared_fleet,
     spawn,
     still_there,
     training_run,
-    wait_until,
 )
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory):
-    yield from shared_fleet(tmp_path_factory)
 
 VMID = 200
 NAME = "stale"
@@ -60,7 +56,7 @@ def stale_pidfile(fleet, vmid, case):
     survivors, sessions = [decoy], [decoy]
     if case == "dead" or case == "live-group":
         [gone] = spawn(fleet, vmid, [(["/bin/true"], {})])
-        assert wait_until(lambda: not still_there(process_table(fleet, vmid), *gone), timeout=10)
+        assert wait_for(lambda: not still_there(process_table(fleet, vmid), *gone), timeout=10)
         data = record(gone[0], gone[0], gone[1]) if case == "dead" else record(gone[0], decoy[0], decoy[1])
     elif case == "zombie":
         zombie, zombie_start, parent, parent_start = make_zombie(fleet, vmid)

@@ -10,7 +10,8 @@ stop_training.yml with a short stop timeout, nothing of either is left and the G
 import time
 
 import pytest
-from stops_support import (
+
+from tests.reliability.stops_support import (
     FAKE_RUN,
     LOG,
     PIDFILE,
@@ -21,18 +22,13 @@ from stops_support import (
     kill_sessions,
     process_table,
     results_with,
-    shared_fleet,
     still_there,
     training_run,
-    wait_until,
 )
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
-
-@pytest.fixture(scope="session")
-def fleet(tmp_path_factory):
-    yield from shared_fleet(tmp_path_factory)
 
 STOP_TIMEOUT = 3
 CASES = {
@@ -49,7 +45,7 @@ def start_stubborn_run(fleet, vmid, child_flag):
                            command=["/usr/bin/python3", FAKE_RUN, "--ignore-term", child_flag, child_file],
                            environment={"CUDA_VISIBLE_DEVICES": ",".join(map(str, RUN_GPUS))})
     assert not started.get("failed"), started
-    assert wait_until(lambda: (fleet.read(vmid, child_file) or "").strip().isdigit(), timeout=30)
+    assert wait_for(lambda: (fleet.read(vmid, child_file) or "").strip().isdigit(), timeout=30)
     return started["run"], int(fleet.read(vmid, child_file))
 
 

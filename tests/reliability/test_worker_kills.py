@@ -16,10 +16,11 @@ import time
 
 import pytest
 import yaml
-from stops_support import rng_for, trainer_processes, wait_until
-from trial_counts import trials
 
 from pvesim.fleet import SIM_GROUP_VARS, Fleet
+from tests.reliability.stops_support import rng_for, trainer_processes
+from tests.reliability.trial_counts import trials
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
@@ -66,9 +67,7 @@ def group_started(log, restart):
 
 def poll(read, timeout=RESTART_TIMEOUT_S):
     """What `read()` returns once it returns something, or None after `timeout`."""
-    found = []
-    wait_until(lambda: found.append(read()) or found[-1], timeout)
-    return found[-1]
+    return wait_for(read, timeout, interval=0.5) or None
 
 
 def assert_one_run(fleet, launcher):

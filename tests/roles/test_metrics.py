@@ -3,11 +3,11 @@ and fetch_metrics.yml brings every container's metrics.jsonl to the controller a
 loss and tau curves there."""
 
 import re
-import time
 
 import pytest
 
 from pvesim.fleet import Fleet
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -22,12 +22,10 @@ def fleet(tmp_path_factory):
 
 
 def wait_for_heldout(fleet, vmid, timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = fleet.status(vmid)
-        if status.get("heldout_tau") is not None:
-            return status
-        time.sleep(1)
+    status = wait_for(lambda: (s := fleet.status(vmid)).get("heldout_tau") is not None and s,
+                      timeout, interval=1)
+    if status:
+        return status
     pytest.fail(f"CT {vmid}: no held-out evaluation within {timeout} s; status {fleet.status(vmid)}")
 
 
