@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from .model import DrafterConfig, DraftStack, rope_theta_of
+from .model import SLIDING_ATTENTION, DrafterConfig, DraftStack, rope_theta_of
 
 
 def drafter_config_from_hf(config) -> DrafterConfig:
@@ -31,7 +31,14 @@ def drafter_config_from_hf(config) -> DrafterConfig:
         num_target_features=len(dflash["target_layer_ids"]), block_size=dflash["block_size"],
         mask_token_id=dflash["mask_token_id"], vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps, rope_theta=rope_theta_of(config),
+        layer_types=list(config.layer_types), sliding_window=sliding_window_of(config),
     )
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of the sliding_attention layers: Qwen3Config has dropped it to None unless
+    `use_sliding_window` was set (then the drafter refuses the sliding layers, naming it)."""
+    return config.sliding_window if SLIDING_ATTENTION in config.layer_types else None
 
 
 class DFlashDraftModel(DraftStack, PreTrainedModel):
