@@ -77,13 +77,17 @@ def train(raw: dict, capsys) -> tuple[int, list[dict]]:
     return code, [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
-def test_mixed_layer_types_train_and_their_checkpoint_keeps_them(tiny_config, tiny_target, tmp_path, capsys):
+def test_mixed_layer_types_train_and_their_checkpoint_keeps_them(tiny_config, tiny_target, tiny_eval_dataset,
+                                                                 tmp_path, capsys):
     raw = tiny_config(tmp_path / "run", model=SLIDING, optim={"total_steps": 60, "lr": 3e-2},
-                      run={"save_every": 1000}, data={"max_anchors": 16})
+                      run={"save_every": 1000, "eval_every": 30},
+                      data={"max_anchors": 16, "eval_path": str(tiny_eval_dataset)})
     code, records = train(raw, capsys)
     assert code == 0
     losses = [r["loss"] for r in records if r["event"] == "step"]
     assert len(losses) == 60 and sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+    heldout = [r for r in records if r["event"] == "heldout"]
+    assert [r["step"] for r in heldout] == [30, 60] and all(r["heldout_tau"] >= 1 for r in heldout)
     _, _, meta = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert meta["drafter_config"]["layer_types"] == SLIDING["layer_types"]
     assert meta["drafter_config"]["sliding_window"] == SLIDING["sliding_window"]
