@@ -88,7 +88,8 @@ class BlockSparseMask:
         for first, last, ctx_start, ctx_end in self.tiles:
             q0, q1 = first * self.block_size, last * self.block_size
             query_end = (self.context_end[first:last] - ctx_start).to(q.device)
-            query_start = (self.window_start[first:last] - ctx_start).to(q.device)
+            query_start = (None if self.window is None
+                           else (self.window_start[first:last] - ctx_start).to(q.device))
             args = (q[:, :, q0:q1], k, v, ctx_start, ctx_end, self.n_context + q0, query_start, query_end,
                     self.block_size, self.window, enable_gqa)
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -105,8 +106,8 @@ class BlockSparseMask:
 
 
 def _tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_start: int, ctx_end: int,
-                    block_start: int, query_start: torch.Tensor, query_end: torch.Tensor, block_size: int,
-                    window: int | None, enable_gqa: bool) -> torch.Tensor:
+                    block_start: int, query_start: torch.Tensor | None, query_end: torch.Tensor,
+                    block_size: int, window: int | None, enable_gqa: bool) -> torch.Tensor:
     """One tile: its queries over context rows [ctx_start, ctx_end) and its own block rows.
     `query_end` `[tile blocks]`: each block's context end, relative to ctx_start; with a `window`,
     `query_start` `[tile blocks]`: the first row its anchor's query sees (offset i's: i rows later)."""

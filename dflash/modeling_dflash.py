@@ -36,9 +36,13 @@ def drafter_config_from_hf(config) -> DrafterConfig:
 
 
 def sliding_window_of(config) -> int | None:
-    """The window of the sliding_attention layers: Qwen3Config has dropped it to None unless
-    `use_sliding_window` was set (then the drafter refuses the sliding layers, naming it)."""
-    return config.sliding_window if SLIDING_ATTENTION in config.layer_types else None
+    """The window of the sliding_attention layers (None without any)."""
+    if SLIDING_ATTENTION not in config.layer_types:
+        return None
+    if config.sliding_window is None:  # Qwen3Config keeps it only with use_sliding_window
+        raise ValueError(f"config.json has sliding_attention layers ({config.layer_types}) but no "
+                         "sliding_window: it needs sliding_window and use_sliding_window: true")
+    return config.sliding_window
 
 
 class DFlashDraftModel(DraftStack, PreTrainedModel):
