@@ -137,19 +137,31 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     return model_state, trainer_state, meta
 
 
-def keep_trained_mask_token(drafter_cfg: DrafterConfig, meta: dict, configured: int | None) -> None:
-    """Give a drafter rebuilt from the run's config (`drafter_cfg`, changed in place) the mask token
-    that the checkpoint with `meta` was trained with: the default has changed over time, and the
-    weights only work with the mask they learnt. A configured mask (`configured`, model.mask_token_id)
-    other than the checkpoint's is refused."""
-    trained = meta.get("drafter_config", {}).get("mask_token_id")
-    if trained is None or trained == drafter_cfg.mask_token_id:
-        return
-    if configured is not None:
-        raise ConfigError("model.mask_token_id", f"{configured} differs from {trained}, the mask token "
-                          "the checkpoint was trained with; set it to null (or the checkpoint's) to "
-                          "resume, or train from scratch in another run.output_dir")
-    drafter_cfg.mask_token_id = trained
+def fit_to_checkpoint(drafter_cfg: DrafterConfig, meta: dict, configured_mask: int | None) -> None:
+    """Make a drafter rebuilt from the run's config (`drafter_cfg`, changed in place) the one the
+    checkpoint with `meta` trained. It takes the checkpoint's mask token: the default has changed
+    over time, and the weights only work with the mask they learnt; a configured mask
+    (`configured_mask`, model.mask_token_id) other than the checkpoint's is refused. Its layer types
+    and sliding window must be the checkpoint's (the weights learnt to attend that way; a checkpoint
+    from before they existed has full attention layers only)."""
+    trained = meta.get("drafter_config", {})
+    mask = trained.get("mask_token_id")
+    if mask is not None and mask != drafter_cfg.mask_token_id:
+        if configured_mask is not None:
+            raise ConfigError("model.mask_token_id", f"{configured_mask} differs from {mask}, the mask "
+                              "token the checkpoint was trained with; set it to null (or the checkpoint's) "
+                              "to resume, or train from scratch in another run.output_dir")
+        drafter_cfg.mask_token_id = mask
+    layers = trained.get("num_layers", drafter_cfg.num_layers)
+    if layers != drafter_cfg.num_layers:
+        return  # the weights cannot load: loading them says so, naming the layers
+    attention = {"layer_types": trained.get("layer_types") or ["full_attention"] * layers,
+                 "sliding_window": trained.get("sliding_window")}
+    for key, value in attention.items():
+        if getattr(drafter_cfg, key) != value:
+            raise ConfigError(f"model.{key}", f"{getattr(drafter_cfg, key)!r} differs from {value!r}, what "
+                              "the checkpoint was trained with; set it to the checkpoint's to resume, or "
+                              "train from scratch in another run.output_dir")
 
 
 def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:

@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16")
 # take ~0.6 GiB, and 512-row matmuls keep the lm_head's throughput.
 DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model's, without importing torch
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,10 @@ class ModelConfig(_Section):
     # Scored block positions per lm_head + cross-entropy chunk (`dflash.loss.chunked_head_loss`):
     # bounds the logits to [loss_chunk_size, vocab]; null: a group's scored positions at once.
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
+    # One of LAYER_TYPES per draft layer (null: all full_attention), and the window W in tokens of
+    # the sliding ones: a query at position p sees keys at positions p-W+1..p (docs/SERVING.md).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     _name = "model"
 
     def __post_init__(self) -> None:
@@ -117,6 +122,20 @@ class ModelConfig(_Section):
         if self.loss_chunk_size is not None:
             self._require(self.loss_chunk_size >= 1, "loss_chunk_size",
                           "must be >= 1 (scored positions per lm_head chunk) or null (no chunking)")
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        types = self.layer_types or []
+        if self.layer_types is not None:
+            n = self.num_draft_layers
+            self._require(len(types) == n, "layer_types", f"must have model.num_draft_layers ({n}) entries")
+            self._require(set(types) <= set(LAYER_TYPES), "layer_types", f"takes {' or '.join(LAYER_TYPES)}")
+        window, sliding = self.sliding_window, LAYER_TYPES[1] in types
+        self._require(window is not None or not sliding, "sliding_window",
+                      "must be set (>= 1, tokens) for sliding_attention layers")
+        self._require(window is None or window >= 1, "sliding_window", "must be >= 1 (tokens)")
+        self._require(window is None or sliding, "sliding_window", "applies to no layer: "
+                      "make some of model.layer_types sliding_attention, or set it to null")
 
 
 @dataclass

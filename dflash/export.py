@@ -7,7 +7,8 @@ load as a DFlash drafter (docs/SERVING.md says how):
 - `config.json`: a Qwen3 config with the drafter's shapes (`num_hidden_layers` = draft layers;
   hidden size, heads, head_dim, RoPE, norm epsilon, vocabulary and position limit from the target),
   `architectures: ["DFlashDraftModel"]`, `is_causal: false` (attention inside a block is
-  bidirectional), `num_target_layers`, `block_size`, and
+  bidirectional), `layer_types` with `use_sliding_window`, `sliding_window` and
+  `max_window_layers` (`sliding_window_keys`), `num_target_layers`, `block_size`, and
   `dflash_config: {block_size, mask_token_id, target_layer_ids}`. The RoPE base is written both as
   transformers 5 reads it (`rope_parameters`) and as transformers 4 does (top-level `rope_theta`,
   `rope_scaling`): a 4.x reader without the latter silently falls back to a base of 10000.
@@ -40,7 +41,7 @@ from dflash import model as model_module
 from dflash import modeling_dflash
 from dflash.checkpoint import load_checkpoint
 from dflash.mask_token import mask_token_problem
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.model import SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode, write_file
 from dflash.target import DTYPES
 
@@ -49,6 +50,20 @@ DEFAULT_DTYPE = "bfloat16"
 # The code an export carries: the transformers class that auto_map names and the layers it runs.
 CODE_FILES = (Path(modeling_dflash.__file__), Path(model_module.__file__))
 AUTO_MAP = {"AutoModel": f"{Path(modeling_dflash.__file__).stem}.{ARCHITECTURE}"}
+
+
+def sliding_window_keys(drafter_cfg: DrafterConfig) -> dict:
+    """The keys of a Qwen3 config that say which layers slide and by how much. `layer_types` is what
+    vLLM, SGLang and transformers read; transformers' Qwen3Config (4.57 and 5) drops
+    `sliding_window` unless `use_sliding_window` is true, and derives the layer types from
+    `max_window_layers` (layers from that index on slide) only when `layer_types` is missing, so
+    `max_window_layers` is the first sliding layer (exact when the sliding layers are the last ones;
+    the layer count when none slides)."""
+    types = drafter_cfg.layer_types
+    sliding = SLIDING_ATTENTION in types
+    return {"layer_types": list(types), "use_sliding_window": sliding,
+            "sliding_window": drafter_cfg.sliding_window if sliding else None,
+            "max_window_layers": types.index(SLIDING_ATTENTION) if sliding else len(types)}
 
 
 def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_config: dict,
@@ -67,7 +82,7 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
         "num_key_value_heads": drafter_cfg.num_key_value_heads,
         "head_dim": drafter_cfg.head_dim,
         "num_hidden_layers": drafter_cfg.num_layers,
-        "layer_types": ["full_attention"] * drafter_cfg.num_layers,
+        **sliding_window_keys(drafter_cfg),
         "vocab_size": drafter_cfg.vocab_size,
         "rms_norm_eps": drafter_cfg.rms_norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": drafter_cfg.rope_theta},
@@ -78,8 +93,6 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
         "attention_bias": False,
         "attention_dropout": 0.0,
         "is_causal": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
         "tie_word_embeddings": False,
         "use_cache": False,
         "bos_token_id": target.get("bos_token_id"),
@@ -102,6 +115,8 @@ the mask token {mask} (`dflash_config.mask_token_id`). It has no embedding or lm
 the engine uses the target's. Serve it with the target it was trained for.
 
 Every engine proposes block_size - 1 = {draft_tokens} tokens per step.
+
+Its layers' attention (`layer_types`): {attention}.
 
 ## vLLM
 
@@ -162,7 +177,20 @@ def serving_readme(config: dict, out_dir: Path) -> str:
         target_layers=config["num_target_layers"],
         layer_ids=dflash["target_layer_ids"], mask=dflash["mask_token_id"],
         draft_tokens=dflash["block_size"] - 1, out_dir=Path(out_dir).resolve(),
+        attention=attention_summary(config["layer_types"], config["sliding_window"]),
     )
+
+
+def attention_summary(layer_types: list[str], window: int | None) -> str:
+    """What the exported README says of the layers' attention."""
+    if SLIDING_ATTENTION not in layer_types:
+        return "all full_attention"
+    text = (f"{', '.join(layer_types)}; the sliding_attention layers have a window of {window} tokens "
+            f"(a query at position p sees positions p-{window - 1}..p, as Hugging Face and the engines "
+            "count it)")
+    if len(set(layer_types)) > 1:
+        text += ". vLLM serves mixed layer types with its V2 model runner only (VLLM_USE_V2_MODEL_RUNNER=1)"
+    return text
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = DEFAULT_DTYPE) -> Path:

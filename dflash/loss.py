@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dflash.attention import BlockSparseMask
 from dflash.hidden_states import document_ids
+from dflash.model import sliding_window_mask
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
@@ -75,9 +76,10 @@ def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
 
 def build_block_attention_mask(context_doc: torch.Tensor, context_pos: torch.Tensor,
                                block_doc: torch.Tensor, block_anchor: torch.Tensor,
-                               block_size: int) -> torch.Tensor:
+                               block_size: int, window: int | None = None) -> torch.Tensor:
     """[Q, T+Q] bool. A query of block j sees context tokens of its own document at positions
-    strictly before anchor_j, and every token of its own block; nothing else.
+    strictly before anchor_j, and every token of its own block; nothing else. With a `window`
+    (a sliding-window layer), only what `sliding_window_mask` also allows of that.
 
     context_doc/context_pos: [T]; block_doc/block_anchor: [n_blocks]."""
     n_blocks = block_anchor.numel()
@@ -86,7 +88,11 @@ def build_block_attention_mask(context_doc: torch.Tensor, context_pos: torch.Ten
     sees_context = (q_doc[:, None] == context_doc[None, :]) & (context_pos[None, :] < q_anchor[:, None])
     q_block = torch.arange(n_blocks, device=block_anchor.device).repeat_interleave(block_size)
     sees_block = q_block[:, None] == q_block[None, :]
-    return torch.cat([sees_context, sees_block], dim=1)
+    mask = torch.cat([sees_context, sees_block], dim=1)
+    if window is None:
+        return mask
+    q_pos = q_anchor + torch.arange(block_size, device=block_anchor.device).repeat(n_blocks)
+    return mask & sliding_window_mask(q_pos, torch.cat([context_pos.to(q_pos.device), q_pos]), window)
 
 
 def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,

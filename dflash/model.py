@@ -10,6 +10,11 @@ Inputs, all packed (no batch dimension; documents are told apart by the attentio
 - the attention pattern, built by `dflash.loss`: a `BlockSparseMask` (ranges per block, what
   training uses), the dense boolean reference `[Q, T+Q]` (True = may attend), or None (every block
   query sees every key: one block after the whole context, as in decoding).
+- per layer, its type (`DrafterConfig.layer_types`): a `full_attention` layer uses that pattern as
+  it is; a `sliding_attention` layer keeps of it only what Hugging Face's sliding window of
+  `sliding_window` = W allows (`sliding_window_mask`): a query at position p sees the keys at
+  positions p-W+1 .. p, itself included. Inside a block that is causal, and the anchor's query sees
+  at most the W-1 context tokens before the anchor (docs/SERVING.md: what the engines run).
 Output: hidden states `[Q, H]` after the final norm; `logits()` applies the target's frozen lm_head.
 
 This file imports nothing but torch: an export ships it unchanged next to `modeling_dflash.py`, so
@@ -25,11 +30,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # as transformers' Qwen3Config, vLLM and SGLang spell them
+
 
 class BlockMask(Protocol):
     """A block-sparse attention pattern (`dflash.attention.BlockSparseMask`)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor: ...
+
+    def with_window(self, window: int) -> BlockMask:
+        """The same pattern less what a sliding window of `window` tokens hides (`sliding_window_mask`)."""
+        ...
+
+
+def sliding_window_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """`[Q, K]` bool: Hugging Face's sliding window (transformers' `sliding_attention`, vLLM's and
+    SGLang's window of the same size): a query at position p may see a key at position k when
+    p - window < k <= p. Positions are within the document."""
+    lag = q_positions[:, None] - kv_positions[None, :]
+    return (lag >= 0) & (lag < window)
+
+
+def windowed(attention_mask: torch.Tensor | BlockMask | None, window: int | None, q_positions: torch.Tensor,
+             kv_positions: torch.Tensor) -> torch.Tensor | BlockMask | None:
+    """`attention_mask` for a layer with sliding window `window` (None: a full attention layer)."""
+    if window is None:
+        return attention_mask
+    if attention_mask is None or isinstance(attention_mask, torch.Tensor):
+        sliding = sliding_window_mask(q_positions, kv_positions, window)
+        return sliding if attention_mask is None else attention_mask & sliding
+    return attention_mask.with_window(window)
 
 
 def rope_theta_of(config) -> float:
@@ -54,6 +85,8 @@ class DrafterConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all full_attention
+    sliding_window: int | None = None     # W of the sliding_attention layers (None when there are none)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -69,10 +102,23 @@ class DrafterConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        self.layer_types = list(self.layer_types or [FULL_ATTENTION] * self.num_layers)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types {self.layer_types} must give one of {', '.join(LAYER_TYPES)} "
+                             f"for each of the {self.num_layers} layers")
+        sliding = SLIDING_ATTENTION in self.layer_types
+        if sliding != (self.sliding_window is not None) or (sliding and self.sliding_window < 1):
+            raise ValueError(f"sliding_window {self.sliding_window} must be >= 1 with sliding_attention "
+                             f"layers and None without them (layer_types {self.layer_types})")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`; None for a full attention layer."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     @classmethod
     def from_target_config(cls, target_config, num_layers: int, num_target_features: int, block_size: int,
-                           mask_token_id: int) -> DrafterConfig:
+                           mask_token_id: int, layer_types: list[str] | None = None,
+                           sliding_window: int | None = None) -> DrafterConfig:
         """Take the attention/MLP shapes and RoPE settings of a transformers Qwen3-style config."""
         rope = getattr(target_config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
@@ -92,6 +138,8 @@ class DrafterConfig:
             vocab_size=target_config.vocab_size,
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=rope_theta_of(target_config),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
 
@@ -217,10 +265,15 @@ class DraftStack:
         context = self.hidden_norm(self.fc(context_features.to(compute)))
         block = block.to(dtype)
         head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
+        kv_positions = torch.cat([context_positions, block_positions])
         rope_q = rope_cos_sin(block_positions, head_dim, theta, compute)
-        rope_kv = rope_cos_sin(torch.cat([context_positions, block_positions]), head_dim, theta, compute)
-        for layer in self.layers:
-            block = layer(block, context, rope_q, rope_kv, attention_mask)
+        rope_kv = rope_cos_sin(kv_positions, head_dim, theta, compute)
+        masks = {None: attention_mask}  # per sliding window: built once, shared by its layers
+        for i, layer in enumerate(self.layers):
+            window = self.cfg.layer_window(i)
+            if window not in masks:
+                masks[window] = windowed(attention_mask, window, block_positions, kv_positions)
+            block = layer(block, context, rope_q, rope_kv, masks[window])
         return self.norm(block)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from .model import DrafterConfig, DraftStack, rope_theta_of
+from .model import SLIDING_ATTENTION, DrafterConfig, DraftStack, rope_theta_of
 
 
 def drafter_config_from_hf(config) -> DrafterConfig:
@@ -31,7 +31,18 @@ def drafter_config_from_hf(config) -> DrafterConfig:
         num_target_features=len(dflash["target_layer_ids"]), block_size=dflash["block_size"],
         mask_token_id=dflash["mask_token_id"], vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps, rope_theta=rope_theta_of(config),
+        layer_types=list(config.layer_types), sliding_window=sliding_window_of(config),
     )
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of the sliding_attention layers (None without any)."""
+    if SLIDING_ATTENTION not in config.layer_types:
+        return None
+    if config.sliding_window is None:  # Qwen3Config keeps it only with use_sliding_window
+        raise ValueError(f"config.json has sliding_attention layers ({config.layer_types}) but no "
+                         "sliding_window: it needs sliding_window and use_sliding_window: true")
+    return config.sliding_window
 
 
 class DFlashDraftModel(DraftStack, PreTrainedModel):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash.checkpoint import (
-    keep_trained_mask_token,
+    fit_to_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     remove_partial_saves,
@@ -99,7 +99,7 @@ class DrafterRun:
         if checkpoint is None:
             return
         model_state, state, meta = load_checkpoint(checkpoint)
-        keep_trained_mask_token(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
+        fit_to_checkpoint(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])

@@ -48,6 +48,7 @@ def build_drafter(cfg: TrainConfig, head: TargetHead) -> DFlashDrafter:
     drafter_cfg = DrafterConfig.from_target_config(
         tconf, num_layers=cfg.model.num_draft_layers, num_target_features=len(layer_ids),
         block_size=cfg.model.block_size, mask_token_id=mask_token_id,
+        layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
     )
     drafter = DFlashDrafter(drafter_cfg, head.embed_tokens, head.lm_head)
     return drafter.to(device=head.embed_tokens.weight.device)

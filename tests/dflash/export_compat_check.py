@@ -6,7 +6,8 @@ Run by tests/dflash/test_export_compat.py under the project's transformers and u
 public DFlash code pins (4.57.1, in the venv of `make compat-venv`). It imports nothing of this
 project: only the export directory, transformers and torch. It writes OUT_DIR/result.json (the
 transformers version, the loading info of `AutoModel.from_pretrained(EXPORT_DIR,
-trust_remote_code=True)`, the class it built, the config's RoPE base) and OUT_DIR/result.safetensors:
+trust_remote_code=True)`, the class it built, the config's RoPE base, layer types and sliding
+window) and OUT_DIR/result.safetensors:
 `public_inv_freq` (transformers' own Qwen3RotaryEmbedding of the exported config, what the public
 code builds) and, when it built the drafter, `model_inv_freq` (the loaded model's) and `logits` (the
 block's, through the target's lm_head given in INPUTS), and `spec_generate` / `greedy`: the
@@ -36,6 +37,8 @@ def main(export_dir: str, target_dir: str, inputs_path: str, out_dir: str) -> in
         "class": type(model).__name__,
         "loaded_dtype": str(next(model.parameters()).dtype),
         "rope_theta": getattr(config, "rope_theta", None),  # transformers 4's attribute (5 has none)
+        # What this transformers' Qwen3Config kept of the layers' attention.
+        "layer_types": {"layer_types": config.layer_types, "sliding_window": config.sliding_window},
         "missing_keys": sorted(info["missing_keys"]),
         "unexpected_keys": sorted(info["unexpected_keys"]),
         "mismatched_keys": sorted(str(k) for k in info.get("mismatched_keys", [])),

@@ -28,6 +28,17 @@ def test_good_config_loads_and_round_trips(tiny_config, tmp_path):
     assert again == cfg
 
 
+def test_sliding_window_layers_load_and_round_trip(tiny_config, tmp_path):
+    raw = tiny_config(tmp_path / "run", model={"num_draft_layers": 3, "sliding_window": 16,
+                                               "layer_types": ["sliding_attention", "full_attention",
+                                                               "sliding_attention"]})
+    cfg = load_config(write(tmp_path, raw))
+    assert cfg.model.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert cfg.model.sliding_window == 16
+    assert config_from_dict(yaml.safe_load(dump_config(cfg))) == cfg
+    assert load_config(write(tmp_path, tiny_config(tmp_path / "run"))).model.layer_types is None  # all full
+
+
 def test_example_config_is_valid_apart_from_its_target():
     load_config(REPO / "configs" / "tiny-cpu.yaml", check_target=False)
 
@@ -40,6 +51,17 @@ def test_example_config_is_valid_apart_from_its_target():
     ("model", {"target_layer_ids": [1, "x"]}, "model.target_layer_ids"),
     ("model", {"blocksize": 8}, "model: unknown key(s) blocksize"),
     ("model", {"target_rows_per_pass": 0}, "model.target_rows_per_pass: must be >= 1, got 0"),
+    ("model", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+     "model.layer_types: must have model.num_draft_layers (1) entries, got ['full_attention', 'sliding"),
+    ("model", {"layer_types": ["sliding"]},
+     "model.layer_types: takes full_attention or sliding_attention, got ['sliding']"),
+    ("model", {"layer_types": "sliding_attention"}, "model.layer_types: expected list[str] | None"),
+    ("model", {"layer_types": ["sliding_attention"]},
+     "model.sliding_window: must be set (>= 1, tokens) for sliding_attention layers, got None"),
+    ("model", {"layer_types": ["sliding_attention"], "sliding_window": 0},
+     "model.sliding_window: must be >= 1 (tokens), got 0"),
+    ("model", {"sliding_window": 64},
+     "model.sliding_window: applies to no layer: make some of model.layer_types sliding_attention"),
     ("data", {"max_length": 3}, "model.block_size: 4 does not fit in data.max_length 3"),
     ("optim", {"lr": "fast"}, "optim.lr: expected float, got 'fast'"),
     ("optim", {"warmup_ratio": 1.5}, "optim.warmup_ratio: must be in [0, 1), got 1.5"),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 from transformers import Qwen3Config
+from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash.checkpoint import latest_checkpoint, load_drafter
@@ -41,7 +42,7 @@ class ReferenceAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, block, context, cos, sin):
+    def forward(self, block, context, cos, sin, mask):
         q_len, kv_len = block.shape[1], context.shape[1] + block.shape[1]
         q = self.q_norm(self.q_proj(block).view(1, q_len, -1, self.head_dim)).transpose(1, 2)
         k = torch.cat([self.k_proj(context), self.k_proj(block)], dim=1).view(1, kv_len, -1, self.head_dim)
@@ -51,7 +52,8 @@ class ReferenceAttention(nn.Module):
         q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
         k = k * cos + rotate_half(k) * sin
         k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v)  # not causal: the block sees itself and the context
+        # None: not causal, the block sees itself and the context; else a sliding layer's window.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
 
 
@@ -63,13 +65,14 @@ class ReferenceLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, block, context, cos, sin):
-        block = block + self.self_attn(self.input_layernorm(block), context, cos, sin)
+    def forward(self, block, context, cos, sin, mask):
+        block = block + self.self_attn(self.input_layernorm(block), context, cos, sin, mask)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
 class ReferenceDrafter(nn.Module):
-    """Module names and forward of DFlashDraftModel, from the exported config alone."""
+    """Module names and forward of DFlashDraftModel, from the exported config alone; a
+    sliding_attention layer masks with transformers' own sliding window of `sliding_window`."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -79,19 +82,31 @@ class ReferenceDrafter(nn.Module):
         self.fc = nn.Linear(n_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.layer_types, self.window = config.layer_types, config.sliding_window
 
     def forward(self, target_hidden, noise_embedding, position_ids):
         context = self.hidden_norm(self.fc(target_hidden))
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        positions = position_ids[0]
+        queries = positions[-noise_embedding.shape[1]:]
+        sliding = None if self.window is None else sliding_window_causal_mask_function(self.window)(
+            0, 0, queries[:, None], positions[None, :])
         block = noise_embedding
-        for layer in self.layers:
-            block = layer(block, context, cos, sin)
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            block = layer(block, context, cos, sin, sliding if layer_type == "sliding_attention" else None)
         return self.norm(block)
 
 
+# A window shorter than block_inputs' context (11 tokens), on the first of the two layers.
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+
+
 @pytest.fixture
-def exported(tiny_config, tiny_target, tmp_path, capsys):
-    raw = tiny_config(tmp_path / "run", model={"num_draft_layers": 2, "block_size": 4},
+def exported(tiny_config, tiny_target, tmp_path, capsys, request):
+    """A trained drafter's checkpoint, its float32 export and the target; `request.param`: more
+    model keys (layer types)."""
+    raw = tiny_config(tmp_path / "run", model={"num_draft_layers": 2, "block_size": 4,
+                                               **getattr(request, "param", {})},
                       optim={"total_steps": 3})
     assert run_single_process(config_from_dict(raw)) == 0
     out = tmp_path / "export"
@@ -109,6 +124,7 @@ def block_inputs(target, drafter_cfg, n_context: int = 11):
     return context, block_ids, positions
 
 
+@pytest.mark.parametrize("exported", [{}, SLIDING], indirect=True, ids=["full", "sliding"])
 def test_the_export_reloads_to_the_checkpoints_block_logits_exactly(exported):
     checkpoint, out, target = exported
     trained, layer_ids = load_drafter(checkpoint, target)
@@ -131,6 +147,8 @@ def test_the_export_reloads_to_the_checkpoints_block_logits_exactly(exported):
     assert config.dflash_config == {"block_size": 4, "mask_token_id": trained.cfg.mask_token_id,
                                     "target_layer_ids": layer_ids}
     assert config.num_target_layers == target.config.num_hidden_layers and config.is_causal is False
+    assert config.layer_types == trained.cfg.layer_types
+    assert config.sliding_window == trained.cfg.sliding_window
     reference = ReferenceDrafter(config)
     reference.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
     with torch.no_grad():
@@ -165,6 +183,34 @@ def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_
     assert f'"num_speculative_tokens": {block_size - 1}' in readme and f'"model": "{out}"' in readme
     assert "--speculative-algorithm DFLASH" in readme and "trust_remote_code=True" in readme
     assert f"mask token {config['dflash_config']['mask_token_id']}" in readme
+
+
+@pytest.mark.parametrize("exported", [{}, SLIDING], indirect=True, ids=["full", "sliding"])
+def test_the_export_says_which_layers_slide_in_the_keys_the_readers_take(exported, tmp_path):
+    checkpoint, out, target = exported
+    config = json.loads((out / "config.json").read_text())
+    keys = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "is_causal")
+    sliding = load_drafter(checkpoint, target)[0].cfg.sliding_window is not None
+    if sliding:
+        assert {key: config[key] for key in keys} == {
+            "layer_types": SLIDING["layer_types"], "use_sliding_window": True, "sliding_window": 6,
+            "max_window_layers": 0, "is_causal": False}
+        readme = (out / "README.md").read_text()
+        assert "the sliding_attention layers have a window of 6 tokens" in readme
+        assert "VLLM_USE_V2_MODEL_RUNNER=1" in readme  # vLLM needs it for mixed layer types
+    else:
+        assert {key: config[key] for key in keys} == {
+            "layer_types": ["full_attention"] * 2, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": 2, "is_causal": False}
+    # Without use_sliding_window, Qwen3Config drops the window: such a directory is refused, not
+    # served with full attention.
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    (edited / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert Qwen3Config.from_pretrained(edited).sliding_window is None
+    if sliding:
+        with pytest.raises(ValueError, match="no sliding_window: it needs .* use_sliding_window: true"):
+            load_export(edited, target)
 
 
 def test_a_checkpoint_whose_mask_is_a_stop_token_exports_with_a_warning(exported, make_target, tmp_path,

@@ -1,8 +1,9 @@
 """An export reloads on the serving side: under the project's transformers and under 4.57.1 (what the
 public DFlash code pins), `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter
 with no missing or unexpected weights, its RoPE frequencies are the target's (a base of 1e6, not
-Qwen3Config's default 10000), its block logits are ours, and the public code's
-`draft.spec_generate(...)` gives the target's greedy output.
+Qwen3Config's default 10000), its config keeps the layer types and sliding window, its block
+logits are ours (with a sliding-window layer too), and the public code's `draft.spec_generate(...)`
+gives the target's greedy output.
 
 Each load runs `export_compat_check.py` in a fresh interpreter that does not see this package: the
 export directory has to carry everything. The 4.57.1 interpreter is the venv of `make compat-venv`.
@@ -25,6 +26,7 @@ from dflash.config import config_from_dict
 from dflash.export import load_export
 from dflash.export import main as export_main
 from dflash.loss import build_block_attention_mask
+from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import load_target
 from dflash.train import run_single_process
 from tests.dflash.conftest import _tiny_config_dict, make_tiny_target
@@ -36,18 +38,16 @@ ROPE_THETA = 1_000_000.0  # Qwen3's; transformers 4's Qwen3Config falls back to 
 DTYPES = ("float32", "bfloat16")
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, tiny_dataset):
-    """A drafter trained briefly on a tiny target with RoPE base 1e6, exported in both dtypes;
-    the block inputs of one decoding step, and our logits for them."""
-    root = tmp_path_factory.mktemp("compat")
-    target_dir = make_tiny_target(root / "target",
-                                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
-    # Qwen3's own config.json has the top-level form too, so transformers 4 loads the target right.
-    target_config = json.loads((target_dir / "config.json").read_text())
-    (target_dir / "config.json").write_text(json.dumps({**target_config, "rope_theta": ROPE_THETA}))
+# The exports checked: (layer types, dtype). A sliding window (6) shorter than the block's context (11).
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+CASES = [("full", "float32"), ("full", "bfloat16"), ("sliding", "float32")]
+
+
+def build_exports(root: Path, target_dir: Path, tiny_dataset: Path, model: dict) -> dict:
+    """A drafter trained briefly on the target at `target_dir` with the extra `model` keys,
+    exported in both dtypes under `root`; the block inputs of one decoding step, and our logits."""
     raw = _tiny_config_dict(target_dir, tiny_dataset, root / "run",
-                            model={"num_draft_layers": 2, "block_size": 4}, optim={"total_steps": 3})
+                            model={"num_draft_layers": 2, "block_size": 4, **model}, optim={"total_steps": 3})
     assert run_single_process(config_from_dict(raw)) == 0
     for dtype in DTYPES:
         assert export_main(["--checkpoint", str(root / "run"), "--out", str(root / dtype),
@@ -81,12 +81,32 @@ def exports(tmp_path_factory, tiny_dataset):
             return drafter.logits(drafter(context, positions[:n], block_ids, positions[n:], mask))
 
     ours = {dtype: logits(load_export(root / dtype, target)[0]) for dtype in DTYPES}
+    if cfg.sliding_window is not None:  # the window changes these logits: the check sees it applied
+        full = DrafterConfig(**{**cfg.__dict__, "layer_types": None, "sliding_window": None})
+        unwindowed = DFlashDrafter(full, trained.embed_tokens, trained.lm_head)
+        unwindowed.load_trainable_state_dict(trained.trainable_state_dict())
+        assert not torch.allclose(logits(unwindowed), logits(trained))
     return {"root": root, "target_dir": target_dir, "target": target, "ours": ours,
-            "checkpoint": logits(trained), "greedy": torch.cat([prompt, greedy[:stop_at + 1]])}
+            "checkpoint": logits(trained), "greedy": torch.cat([prompt, greedy[:stop_at + 1]]),
+            "layer_types": {"layer_types": cfg.layer_types, "sliding_window": cfg.sliding_window}}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_dataset):
+    """Per layer types ("full", "sliding"): `build_exports` for a tiny target with RoPE base 1e6."""
+    root = tmp_path_factory.mktemp("compat")
+    target_dir = make_tiny_target(root / "target",
+                                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
+    # Qwen3's own config.json has the top-level form too, so transformers 4 loads the target right.
+    target_config = json.loads((target_dir / "config.json").read_text())
+    (target_dir / "config.json").write_text(json.dumps({**target_config, "rope_theta": ROPE_THETA}))
+    return {name: build_exports(root / name, target_dir, tiny_dataset, model)
+            for name, model in (("full", {}), ("sliding", SLIDING))}
 
 
 def check_export(python: Path | str, exports: dict, dtype: str, tmp_path: Path) -> dict:
-    """Run the check script under `python` on the `dtype` export; assert what every reader must get."""
+    """Run the check script under `python` on the `dtype` export of `exports` (one of the fixture's);
+    assert what every reader must get."""
     export_dir, modules = exports["root"] / dtype, tmp_path / "modules"
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "HF_HOME")}
     # Remote code is copied into HF_MODULES_CACHE: a private one, so no test shares or leaves one.
@@ -116,18 +136,21 @@ def check_export(python: Path | str, exports: dict, dtype: str, tmp_path: Path) 
     return result
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_export_loads_with_automodel_under_the_projects_transformers(exports, dtype, tmp_path):
+@pytest.mark.parametrize(("layers", "dtype"), CASES)
+def test_the_export_loads_with_automodel_under_the_projects_transformers(exports, layers, dtype, tmp_path):
     import transformers
 
-    assert check_export(sys.executable, exports, dtype, tmp_path)["transformers"] == transformers.__version__
+    result = check_export(sys.executable, exports[layers], dtype, tmp_path)
+    assert result["transformers"] == transformers.__version__
+    assert result["layer_types"] == exports[layers]["layer_types"]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_export_loads_with_automodel_under_transformers_4_57_1(exports, dtype, tmp_path):
+@pytest.mark.parametrize(("layers", "dtype"), CASES)
+def test_the_export_loads_with_automodel_under_transformers_4_57_1(exports, layers, dtype, tmp_path):
     python = COMPAT_VENV / "bin" / "python"
     if not (COMPAT_VENV / ".complete").is_file():
         pytest.skip(f"no transformers 4.57.1 venv at {COMPAT_VENV}: build it with `make compat-venv`")
-    result = check_export(python, exports, dtype, tmp_path)
+    result = check_export(python, exports[layers], dtype, tmp_path)
     assert result["transformers"] == "4.57.1"
     assert result["rope_theta"] == ROPE_THETA  # the attribute 4.x's Qwen3 code reads
+    assert result["layer_types"] == exports[layers]["layer_types"]
