@@ -44,7 +44,7 @@ from torch import nn
 
 from dflash import model as model_module
 from dflash import modeling_dflash
-from dflash.checkpoint import find_checkpoint
+from dflash.checkpoint import CHECKPOINT_DIR, checkpoint_name, find_checkpoint
 from dflash.mask_token import mask_token_problem
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode, write_file
@@ -249,20 +249,28 @@ def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, lis
 
 def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None, into: str | Path | None,
                dtype: str, plan: bool) -> dict:
-    """What main prints: the checkpoint picked, where its export goes, and its files' checksums."""
-    source = find_checkpoint(checkpoint, step)
-    out_dir = Path(out) if out is not None else Path(into) / source.name
-    try:
-        meta = json.loads((source / "meta.json").read_text())
-        sums = export_checksums(out_dir, dtype) if into is not None else None
-        if sums is None and not plan:
-            export_checkpoint(source, out_dir, dtype)
-    except FileNotFoundError as err:
-        if not source.is_dir():  # the run removed it meanwhile (it keeps the latest K)
-            raise FileNotFoundError(f"the run removed checkpoint {source} while it was read (a run keeps "
-                                    "the latest run.keep_checkpoints): ask again") from err
-        raise
-    report = {"checkpoint": str(source), "step": meta.get("step"), "out": str(out_dir), "dtype": dtype}
+    """What main prints: the checkpoint picked, where its export goes, and its files' checksums. With
+    `into` and `step`, an export of that step already there is kept even when the run has removed
+    the checkpoint since (its `checkpoint` is then null)."""
+    kept = Path(into) / checkpoint_name(step) if into is not None and step is not None else None
+    sums = export_checksums(kept, dtype) if kept is not None else None
+    if sums is not None:
+        source, out_dir = Path(checkpoint) / CHECKPOINT_DIR / checkpoint_name(step), kept
+    else:
+        source = find_checkpoint(checkpoint, step)
+        out_dir = Path(out) if out is not None else Path(into) / source.name
+        try:
+            step = json.loads((source / "meta.json").read_text())["step"]
+            sums = export_checksums(out_dir, dtype) if into is not None else None
+            if sums is None and not plan:
+                export_checkpoint(source, out_dir, dtype)
+        except FileNotFoundError as err:
+            if not source.is_dir():  # the run removed it meanwhile (it keeps the latest K)
+                raise FileNotFoundError(f"the run removed checkpoint {source} while it was read (a run "
+                                        "keeps the latest run.keep_checkpoints): ask again") from err
+            raise
+    report = {"checkpoint": str(source) if source.is_dir() else None, "step": step, "out": str(out_dir),
+              "dtype": dtype}
     if plan:
         return {"event": "plan", **report, "exists": sums is not None, "files": sums or {}}
     return {"event": "exported", **report, "reused": sums is not None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,18 @@ def test_an_export_that_did_not_finish_has_no_manifest_and_is_written_again(trai
     rc, report, _ = export(capsys, "--checkpoint", run, "--into", tmp_path / "exports")
     assert rc == 0 and report["reused"] is False
     assert set(sha256s(out)) == EXPORT_FILES | {MANIFEST}
+
+
+def test_an_export_of_a_named_step_is_kept_after_the_run_removed_its_checkpoint(trained_run, tmp_path,
+                                                                                capsys):
+    run, _ = trained_run
+    rc, first, _ = export(capsys, "--checkpoint", run, "--step", 5, "--into", tmp_path / "exports")
+    assert rc == 0 and first["reused"] is False
+    shutil.rmtree(run / "checkpoints" / "step-00000005")  # pruned by the run (keep_checkpoints)
+    rc, kept, _ = export(capsys, "--checkpoint", run, "--step", 5, "--into", tmp_path / "exports")
+    assert rc == 0 and kept["reused"] is True and kept["checkpoint"] is None
+    assert kept["files"] == first["files"] and kept["out"] == first["out"]
+    # Without the export, the step is gone: the trainer's sentence names what is there.
+    shutil.rmtree(tmp_path / "exports")
+    rc, _, err = export(capsys, "--checkpoint", run, "--step", 5, "--into", tmp_path / "exports")
+    assert rc == 2 and f"{run} has no checkpoint of step 5; its checkpoints are steps 10" in err
