@@ -56,7 +56,7 @@ class ActionModule(ActionBase):
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
         del tmp  # no effect
-        _, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)[1]
         try:
             module = self._execute_module(module_name=MODULE, module_args=args, task_vars=task_vars)
         finally:

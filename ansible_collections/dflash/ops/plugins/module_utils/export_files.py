@@ -35,7 +35,8 @@ def directory_checksums(directory):
 
 def manifest_checksums(text):
     """{name: sha256} that a SHA256SUMS text lists."""
-    return {name: digest for digest, _, name in (line.partition("  ") for line in text.splitlines() if line)}
+    pairs = (line.split("  ", 1) for line in text.splitlines() if "  " in line)
+    return {name: digest for digest, name in pairs}
 
 
 def odd_names(names):
