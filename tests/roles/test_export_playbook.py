@@ -118,7 +118,7 @@ def test_export_copies_the_latest_checkpoint_with_the_containers_checksums_and_l
 
 
 def test_check_mode_names_the_checkpoint_and_writes_nothing(fleet, tmp_path):
-    ensure_running(fleet)
+    pid = ensure_running(fleet)
     before = container_checksums(fleet, EXPORTS)
     res, result = export(fleet, tmp_path, "--check")
     assert res.rc == 0, res
@@ -129,6 +129,7 @@ def test_check_mode_names_the_checkpoint_and_writes_nothing(fleet, tmp_path):
     assert f"Would copy it to {tmp_path}/ct200/step-{step:08d}" in result["msg"]
     assert not tmp_path.joinpath("ct200").exists()
     assert container_checksums(fleet, EXPORTS) == before
+    assert running_pid(fleet) == pid
 
 
 def empty_run_dir(fleet, tmp_path):
