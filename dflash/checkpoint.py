@@ -62,6 +62,62 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name[len(_PREFIX):])
+
+
+def saves_in_progress(output_dir: str | Path) -> dict[int, Path]:
+    """Step -> the temp dir of a save that a live process is writing now (a new checkpoint, or the
+    replacement of one of that step). A temp dir whose writer is gone is a killed save's leftover."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    found = {}
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if not p.name.startswith(_TMP_PREFIX):
+            continue
+        prefix = _REPLACED_PREFIX if p.name.startswith(_REPLACED_PREFIX) else _TMP_PREFIX
+        stem, _, pid = p.name[len(prefix):].rpartition("-")  # step-00000100-<pid of the writer>
+        digits = stem[len(_PREFIX):]
+        if stem.startswith(_PREFIX) and digits.isdigit() and pid.isdigit() and Path(f"/proc/{pid}").exists():
+            found[int(digits)] = p
+    return found
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint answers the request; the message says why and what to do."""
+
+
+def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """The checkpoint at `path`: `path` itself when it is a checkpoint's directory (and no `step` is
+    asked), else the complete checkpoint of `step` (by default the latest) in the run's output dir
+    `path`, by the rule the trainer resumes by (`list_checkpoints`). CheckpointNotFoundError says
+    why there is none: no run there, no checkpoint yet, none of that step, or the run still writes it."""
+    path = Path(path)
+    if step is None and (path / "model.safetensors").is_file():
+        return path
+    found = {step_of(p): p for p in list_checkpoints(path)}
+    if found and (step is None or step in found):
+        return found[max(found) if step is None else step]
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: it does not exist (neither a checkpoint's "
+                                      "directory nor a run's output directory)")
+    writing, root = saves_in_progress(path), path / CHECKPOINT_DIR
+    if step in writing:
+        latest = f"the latest complete one is step {max(found)}" if found else "there is no complete one yet"
+        raise CheckpointNotFoundError(
+            f"the run is still writing checkpoint step {step} in {root} ({writing[step].name}): ask again "
+            f"once it has written {checkpoint_name(step)}, or for another step; {latest}")
+    now = f"; the run is writing step {max(writing)} now" if writing else ""
+    if not found:
+        raise CheckpointNotFoundError(f"{path} has no complete checkpoint yet (a run saves one every "
+                                      f"run.save_every steps and when it is stopped){now}")
+    partial = root / checkpoint_name(step)
+    lacking = [name for name in CHECKPOINT_FILES if not (partial / name).is_file()]
+    why = (f"{partial} is not a complete checkpoint (no {', '.join(lacking)})" if partial.is_dir()
+           else f"{path} has no checkpoint of step {step}")
+    raise CheckpointNotFoundError(f"{why}; its checkpoints are steps {', '.join(map(str, sorted(found)))} "
+                                  f"(a run keeps the latest run.keep_checkpoints){now}")
+
+
 def remove_partial_saves(output_dir: str | Path) -> None:
     """Delete temp dirs left by a save that a kill interrupted. A complete checkpoint that a kill
     caught after it was moved aside and before its replacement was renamed in goes back in place."""

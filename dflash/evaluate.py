@@ -38,7 +38,11 @@ import torch
 from torch import nn
 
 from dflash.baselines import Proposer, prompt_lookup_proposer
+<<<<<<< HEAD
 from dflash.checkpoint import fit_to_checkpoint, latest_checkpoint, load_checkpoint
+=======
+from dflash.checkpoint import find_checkpoint, keep_trained_mask_token, load_checkpoint
+>>>>>>> exportpb
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError, load_examples
 from dflash.hidden_states import get_hidden_states_packed
@@ -149,18 +153,6 @@ def target_proposer(target: nn.Module, block_size: int) -> Proposer:
     return propose
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run's output directory (its latest checkpoint)."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"no checkpoint at {path} "
-                                "(neither a step directory nor a run's output directory with checkpoints)")
-    return latest
-
-
 def eval_prompts(data_path: str | Path, max_length: int, limit: int | None) -> list[list[int]]:
     """The prompt of each held-out example: its tokens before the first response (loss_mask 1) token."""
     prompts = []
@@ -188,8 +180,13 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     proposers: list[tuple[str, Proposer]] = []
     if checkpoint is not None:
         trained = build_drafter(cfg, TargetHead.of(target))
+<<<<<<< HEAD
         model_state, _, meta = load_checkpoint(resolve_checkpoint(checkpoint))
         fit_to_checkpoint(trained.cfg, meta, cfg.model.mask_token_id)
+=======
+        model_state, _, meta = load_checkpoint(find_checkpoint(checkpoint))
+        keep_trained_mask_token(trained.cfg, meta, cfg.model.mask_token_id)
+>>>>>>> exportpb
         trained.load_trainable_state_dict(model_state)
         proposers.append(("trained drafter", drafter_proposer(trained)))
     torch.manual_seed(cfg.run.seed)

@@ -20,14 +20,20 @@ load as a DFlash drafter (docs/SERVING.md says how):
   from the target;
 - `modeling_dflash.py` and `model.py`: this package's `dflash/modeling_dflash.py` and
   `dflash/model.py`, unchanged (the class `auto_map` names, and the layers it was trained with);
-- `README.md`: how to serve this drafter, its speculative token count (block_size - 1) filled in.
+- `README.md`: how to serve this drafter, its speculative token count (block_size - 1) filled in;
+- `SHA256SUMS`: the sha256 of every other file (`sha256sum -c SHA256SUMS` checks a copy), written
+  last: a directory without it is an export that did not finish.
 
-`load_export(dir, target)` rebuilds a `DFlashDrafter` from such a directory.
+`--into DIR` writes to `DIR/<checkpoint name>` (`step-00000100`) and keeps an export already there
+that its SHA256SUMS still matches (same dtype); `--step N` picks that step of a run's output
+directory, `--plan` says what it would write, and writes nothing. `load_export(dir, target)`
+rebuilds a `DFlashDrafter` from such a directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -39,7 +45,7 @@ from torch import nn
 
 from dflash import model as model_module
 from dflash import modeling_dflash
-from dflash.checkpoint import load_checkpoint
+from dflash.checkpoint import CHECKPOINT_DIR, checkpoint_name, find_checkpoint
 from dflash.mask_token import mask_token_problem
 from dflash.model import SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode, write_file
@@ -47,6 +53,7 @@ from dflash.target import DTYPES
 
 ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_DTYPE = "bfloat16"
+MANIFEST = "SHA256SUMS"
 # The code an export carries: the transformers class that auto_map names and the layers it runs.
 CODE_FILES = (Path(modeling_dflash.__file__), Path(model_module.__file__))
 AUTO_MAP = {"AutoModel": f"{Path(modeling_dflash.__file__).stem}.{ARCHITECTURE}"}
@@ -112,7 +119,8 @@ A DFlash speculative-decoding drafter ({layers} draft layers, block size {block_
 {target_type} target with {target_layers} layers. It conditions on the target's layers
 {layer_ids} (`dflash_config.target_layer_ids`; hidden_states[id + 1]) and fills each block with
 the mask token {mask} (`dflash_config.mask_token_id`). It has no embedding or lm_head of its own:
-the engine uses the target's. Serve it with the target it was trained for.
+the engine uses the target's. Serve it with the target it was trained for. `sha256sum -c SHA256SUMS`
+in this directory checks a copy of it.
 
 Every engine proposes block_size - 1 = {draft_tokens} tokens per step.
 
@@ -181,6 +189,7 @@ def serving_readme(config: dict, out_dir: Path) -> str:
     )
 
 
+<<<<<<< HEAD
 def attention_summary(layer_types: list[str], window: int | None) -> str:
     """What the exported README says of the layers' attention."""
     if SLIDING_ATTENTION not in layer_types:
@@ -191,11 +200,39 @@ def attention_summary(layer_types: list[str], window: int | None) -> str:
     if len(set(layer_types)) > 1:
         text += ". vLLM serves mixed layer types with its V2 model runner only (VLLM_USE_V2_MODEL_RUNNER=1)"
     return text
+=======
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_checksums(out_dir: str | Path, dtype: str | None = None) -> dict[str, str] | None:
+    """{file: sha256} of the complete export at `out_dir` (of `dtype`, when given), as its SHA256SUMS
+    lists them, when every file still has its checksum; None otherwise (no export, one that did not
+    finish, one changed since, another dtype)."""
+    out_dir = Path(out_dir)
+    try:
+        lines = (out_dir / MANIFEST).read_text().splitlines()
+        sums = {name: digest for digest, name in (line.split("  ", 1) for line in lines)}
+        if dtype is not None and json.loads((out_dir / "config.json").read_text()).get("dtype") != dtype:
+            return None
+        if not sums or any(sha256_of(out_dir / name) != digest for name, digest in sums.items()):
+            return None
+    except (OSError, ValueError):
+        return None
+    return sums
+>>>>>>> exportpb
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = DEFAULT_DTYPE) -> Path:
     """Write the export of `checkpoint` (a step directory) to `out_dir`; returns `out_dir`."""
-    model_state, _, meta = load_checkpoint(checkpoint)
+    checkpoint = Path(checkpoint)
+    # The weights and the meta only: the optimizer state (trainer.pt) is no part of an export.
+    model_state = load_file(str(checkpoint / "model.safetensors"))
+    meta = json.loads((checkpoint / "meta.json").read_text())
     drafter_cfg = DrafterConfig(**meta["drafter_config"])
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -210,6 +247,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
     out_dir = ensure_dir(out_dir)
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # until it is written again, the export is unfinished
     weights = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in model_state.items()}
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", output_mode(FILE_MODE))  # readable by the serving side
@@ -217,6 +255,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     for source in CODE_FILES:
         write_file(out_dir / source.name, source.read_text())
     write_file(out_dir / "README.md", serving_readme(config, out_dir))
+    names = ["config.json", "model.safetensors", *(source.name for source in CODE_FILES), "README.md"]
+    write_file(out_dir / MANIFEST, "".join(f"{sha256_of(out_dir / name)}  {name}\n" for name in names))
     return out_dir
 
 
@@ -236,27 +276,61 @@ def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, lis
     return drafter, list(config.dflash_config["target_layer_ids"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dflash.evaluate import resolve_checkpoint
+def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None, into: str | Path | None,
+               dtype: str, plan: bool) -> dict:
+    """What main prints: the checkpoint picked, where its export goes, and its files' checksums. With
+    `into` and `step`, an export of that step already there is kept even when the run has removed
+    the checkpoint since (its `checkpoint` is then null)."""
+    kept = Path(into) / checkpoint_name(step) if into is not None and step is not None else None
+    sums = export_checksums(kept, dtype) if kept is not None else None
+    if sums is not None:
+        source, out_dir = Path(checkpoint) / CHECKPOINT_DIR / checkpoint_name(step), kept
+    else:
+        source = find_checkpoint(checkpoint, step)
+        out_dir = Path(out) if out is not None else Path(into) / source.name
+        try:
+            step = json.loads((source / "meta.json").read_text())["step"]
+            sums = export_checksums(out_dir, dtype) if into is not None else None
+            if sums is None and not plan:
+                export_checkpoint(source, out_dir, dtype)
+        except FileNotFoundError as err:
+            if not source.is_dir():  # the run removed it meanwhile (it keeps the latest K)
+                raise FileNotFoundError(f"the run removed checkpoint {source} while it was read (a run "
+                                        "keeps the latest run.keep_checkpoints): ask again") from err
+            raise
+    report = {"checkpoint": str(source) if source.is_dir() else None, "step": step, "out": str(out_dir),
+              "dtype": dtype}
+    if plan:
+        return {"event": "plan", **report, "exists": sums is not None, "files": sums or {}}
+    return {"event": "exported", **report, "reused": sums is not None,
+            "files": sums or export_checksums(out_dir)}
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash.export",
         description="Write a trained drafter as a Hugging Face-style directory (config.json, "
-                    "model.safetensors, its modeling code and a README) that vLLM, SGLang and the "
-                    "DFlash inference code (DFlashDraftModel) load.",
+                    "model.safetensors, its modeling code, a README and SHA256SUMS) that vLLM, SGLang and "
+                    "the DFlash inference code (DFlashDraftModel) load.",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory, or a run's output directory (its latest checkpoint)")
-    parser.add_argument("--out", required=True, help="the directory to write (created if missing)")
+    parser.add_argument("--step", type=int,
+                        help="with a run's output directory: the checkpoint of this step (default: latest)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="the directory to write (created if missing)")
+    where.add_argument("--into", help="write DIR/<checkpoint name> (step-00000100); an export already there "
+                                      "that its SHA256SUMS matches, of the same dtype, is kept")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
                         help=f"weight dtype of the export (default: {DEFAULT_DTYPE}, what engines serve)")
+    parser.add_argument("--plan", action="store_true", help="print what would be written; write nothing")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(resolve_checkpoint(args.checkpoint), args.out, args.dtype)
+        report = run_export(args.checkpoint, args.step, args.out, args.into, args.dtype, args.plan)
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"event": "exported", "out": str(out)}))
+    print(json.dumps(report))
     return 0
 
 

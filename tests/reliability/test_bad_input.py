@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
+from pvesim.fleet import SIM_GROUP_VARS
 from tests.reliability.input_support import RunSnapshot, deployed_fleet, doc_table, shown
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -44,6 +46,14 @@ class Case:
 
 def extra(**variables):
     return ("-e", json.dumps(variables))
+
+
+def mask_token(token_id):
+    """The sim's training settings with model.mask_token_id set (an -e replaces the whole dict)."""
+    group_vars = yaml.safe_load((SIM_GROUP_VARS / "training_containers.yml").read_text())
+    settings = group_vars["dflash_release_settings"]
+    model = {**settings["model"], "mask_token_id": token_id}
+    return extra(dflash_release_settings={**settings, "model": model})
 
 
 def broken_vars_file(fleet, tmp_path):
@@ -156,6 +166,17 @@ CASES = [
          CT200 + extra(dflash_release_settings={"data": {"batch_size": "four"}}),
          words=("data.batch_size: expected int, got 'four'", "Fix dflash_release_settings.data.batch_size"),
          fast=True),
+    # The demo target's generation_config.json has eos_token_id 0 and pad_token_id 1; its embedding 384 rows.
+    Case("A mask token id equal to the target's eos", RESTART, CT200 + mask_token(0),
+         words=("model.mask_token_id: 0 is the target's generation_config.json eos_token_id",
+                "a block pre-filled with it stops generation",
+                "Fix dflash_release_settings.model.mask_token_id")),
+    Case("A mask token id equal to the target's pad", RESTART, CT200 + mask_token(1),
+         words=("model.mask_token_id: 1 is the target's generation_config.json pad_token_id",
+                "a reserved embedding row", "Fix dflash_release_settings.model.mask_token_id")),
+    Case("A mask token id outside the target's embedding", RESTART, CT200 + mask_token(384),
+         words=("model.mask_token_id: 384 is outside the target's embedding (ids 0..383)",
+                "Fix dflash_release_settings.model.mask_token_id")),
     Case("A negative restart limit", RESTART, CT200 + ("-e", "dflash_run_max_restarts=-1"),
          words=("pipeline.max_restarts: must be >= 0", "Fix dflash_run_max_restarts")),
     Case("A missing target model path", RESTART,

@@ -93,7 +93,8 @@ VMID = re.compile(r"^[1-9][0-9]{2,8}$")
 CHECKS = ("inventory", "run_members", "variable_types", "variable_names", "run_name_and_paths")
 # Path options the roles use on the controller, where a relative path means the directory the
 # playbook runs from: only the paths in the container and on its node must be absolute.
-CONTROLLER_PATHS = frozenset({"dflash_release_source_dir", "dflash_release_build_dir"})
+CONTROLLER_PATHS = frozenset({"dflash_release_source_dir", "dflash_release_build_dir",
+                              "dflash_run_export_dir"})
 
 
 def container_problems(host, hostvars, groups):
