@@ -38,11 +38,7 @@ import torch
 from torch import nn
 
 from dflash.baselines import Proposer, prompt_lookup_proposer
-<<<<<<< HEAD
-from dflash.checkpoint import fit_to_checkpoint, latest_checkpoint, load_checkpoint
-=======
-from dflash.checkpoint import find_checkpoint, keep_trained_mask_token, load_checkpoint
->>>>>>> exportpb
+from dflash.checkpoint import find_checkpoint, fit_to_checkpoint, load_checkpoint
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError, load_examples
 from dflash.hidden_states import get_hidden_states_packed
@@ -180,13 +176,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     proposers: list[tuple[str, Proposer]] = []
     if checkpoint is not None:
         trained = build_drafter(cfg, TargetHead.of(target))
-<<<<<<< HEAD
-        model_state, _, meta = load_checkpoint(resolve_checkpoint(checkpoint))
-        fit_to_checkpoint(trained.cfg, meta, cfg.model.mask_token_id)
-=======
         model_state, _, meta = load_checkpoint(find_checkpoint(checkpoint))
-        keep_trained_mask_token(trained.cfg, meta, cfg.model.mask_token_id)
->>>>>>> exportpb
+        fit_to_checkpoint(trained.cfg, meta, cfg.model.mask_token_id)
         trained.load_trainable_state_dict(model_state)
         proposers.append(("trained drafter", drafter_proposer(trained)))
     torch.manual_seed(cfg.run.seed)

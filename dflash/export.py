@@ -189,7 +189,6 @@ def serving_readme(config: dict, out_dir: Path) -> str:
     )
 
 
-<<<<<<< HEAD
 def attention_summary(layer_types: list[str], window: int | None) -> str:
     """What the exported README says of the layers' attention."""
     if SLIDING_ATTENTION not in layer_types:
@@ -200,7 +199,8 @@ def attention_summary(layer_types: list[str], window: int | None) -> str:
     if len(set(layer_types)) > 1:
         text += ". vLLM serves mixed layer types with its V2 model runner only (VLLM_USE_V2_MODEL_RUNNER=1)"
     return text
-=======
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -224,7 +224,6 @@ def export_checksums(out_dir: str | Path, dtype: str | None = None) -> dict[str,
     except (OSError, ValueError):
         return None
     return sums
->>>>>>> exportpb
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = DEFAULT_DTYPE) -> Path:
