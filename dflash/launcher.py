@@ -247,6 +247,11 @@ class Launcher:
             if match:
                 code, local_rank, pid = (int(g) for g in match.groups())
                 self.torchrun_failure = (local_rank, pid, code)
+                _, worker, _ = self._named_by_torchrun()
+                if code < 0 and worker is not None and worker.returncode is None:
+                    # Killed by a signal, it could not log its own exit: torchrun's word stands for it.
+                    worker.returncode = code
+                    self.emit("worker_exit", worker=worker.spec.name, pid=pid, returncode=code)
 
     def _named_by_torchrun(self) -> tuple[str, Worker | None, int] | None:
         """The worker torchrun's failure line named for this start: what to call it, its `Worker`

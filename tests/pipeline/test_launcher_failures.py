@@ -68,6 +68,10 @@ def test_a_worker_killed_by_a_signal_is_the_cause_though_a_peer_reported_first(l
     report("drafter0", "peer lost", at=0.001)
     torchrun_reports(launcher, local_rank=2, pid=103, exitcode=-9)
     assert launcher.start_failure() == "worker target1 (pid 103) was killed by SIGKILL"
+    # It could not log its own exit: the launcher logs it from torchrun's word, and status.json follows.
+    status = json.loads(launcher.status.file.path.read_text())
+    assert status["workers"]["target1"]["state"] == "failed"
+    assert status["workers"]["drafter0"]["state"] == "starting"
 
 
 def test_without_a_report_torchruns_word_is_the_cause(launcher):
@@ -84,7 +88,7 @@ def test_a_restart_names_the_failed_start_and_forgets_it(launcher, report):
     [restart] = [json.loads(line) for line in own_events.getvalue().splitlines()]
     assert restart["event"] == "restart"
     assert restart["cause"] == "worker target1 (pid 103) failed: RuntimeError: injected failure"
-    status = json.loads((launcher.status.file.path).read_text())
+    status = json.loads(launcher.status.file.path.read_text())
     assert status["restarts"] == 1 and status["workers"] == {
         "drafter0": {"state": "starting", "pid": 201, "gpus": []}}
     assert launcher.start_failure() is None  # the new start has failed in nothing yet
