@@ -10,7 +10,7 @@ small hidden size so that it runs on a CPU. Both paths use the same blocks, weig
 
 Two scopes: the attention alone (q, k, v of that shape; forward, a loss, backward) and a whole
 drafter step. Each includes building its mask. Peak memory is what torch's allocator holds beyond the
-inputs and weights (`dflash.memory`); time is the best of interleaved repeats. The two steps'
+inputs and weights (`benchmarks.memory`); time is the best of interleaved repeats. The two steps'
 losses and gradients are compared (float tolerance). Prints a table, then one JSON line.
 
     python -m benchmarks.attention                      # the paper's shape, hidden 128, 1 layer
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds  # noqa: E402
 
+from benchmarks.memory import peak_allocated_bytes  # noqa: E402
 from dflash.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
-from dflash.memory import peak_allocated_bytes  # noqa: E402
 from dflash.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

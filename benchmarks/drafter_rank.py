@@ -30,7 +30,7 @@ LOAD = """
 import json, sys, torch
 from dflash.config import config_from_dict
 from dflash.target import TargetHead, load_target, load_target_head
-from dflash.training import build_drafter
+from dflash.trainer import build_drafter
 
 def rss():
     for line in open("/proc/self/status"):

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.drafter_step import measure_in_subprocess
+from benchmarks.memory import peak_allocated_bytes
 from dflash.config import DEFAULT_LOSS_CHUNK_SIZE
-from dflash.memory import peak_allocated_bytes
 from dflash.target import build_target_layer_ids, target_hidden_states
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ have ragged lengths, so that a chosen fraction of B x Lmax is padding. For each 
 Memory is what torch itself allocates, never process RSS: on CUDA the caching allocator's
 `max_memory_allocated` after a reset; on CPU the running sum of the allocation and free events
 that `torch.profiler(profile_memory=True)` records for torch's CPU allocator (see
-`dflash.memory`). Times are the best of interleaved repeats (packed, padded, copy in turn): on a
+`benchmarks.memory`). Times are the best of interleaved repeats (packed, padded, copy in turn): on a
 shared machine the fastest run is the one least disturbed, and interleaving exposes all three
 paths to the same conditions; the profiler is off while timing.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.memory import peak_allocated_bytes
 from dflash.hidden_states import get_hidden_states_packed, get_hidden_states_padded
-from dflash.memory import peak_allocated_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLOT_PATH = Path(__file__).resolve().parent / "results" / "hidden_states.png"

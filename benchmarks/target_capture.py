@@ -10,7 +10,7 @@ at a small hidden size) on the same padded batch and return the same packed `[T,
   into the packed output as they are produced, and the forward pass ends after the deepest one;
 - capture, one row per pass (`model.target_rows_per_pass: 1`): the same, a row at a time.
 
-Peak memory is what torch's own allocator holds beyond the inputs and the model (`dflash.memory`:
+Peak memory is what torch's own allocator holds beyond the inputs and the model (`benchmarks.memory`:
 the CUDA allocator's peak, or on CPU the running sum of torch.profiler's allocation events), given
 as a ratio and in units of one layer output `[B, L, H]`; time is the best of interleaved repeats.
 Prints a table, then one JSON line.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds, ragged_lengths  # noqa: E402
 
-from dflash.memory import peak_allocated_bytes  # noqa: E402
+from benchmarks.memory import peak_allocated_bytes  # noqa: E402
 from dflash.target import (  # noqa: E402
     build_target_layer_ids,
     target_hidden_states,

@@ -45,7 +45,7 @@ from dflash.hidden_states import get_hidden_states_packed
 from dflash.loss import build_block_attention_mask
 from dflash.model import DFlashDrafter
 from dflash.target import TargetHead, load_target
-from dflash.training import build_drafter, resolve_layer_ids
+from dflash.trainer import build_drafter, resolve_layer_ids
 
 
 @dataclass

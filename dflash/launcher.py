@@ -2,57 +2,61 @@
 
 `run.sh` execs `python -m dflash.train --config <yaml>`; when the config's `pipeline` section asks
 for workers, that process becomes this launcher. torchrun spawns the workers
-(`python -m dflash.pipeline`), runs the c10d rendezvous, sets RANK / LOCAL_RANK / WORLD_SIZE and
-restarts the whole group (up to `pipeline.max_restarts` times) when a worker dies. What torchrun
-does not give stays here:
+(`python -m dflash.pipeline`), runs the c10d rendezvous, sets RANK / LOCAL_RANK / WORLD_SIZE,
+restarts the whole group (up to `pipeline.max_restarts` times) when a worker dies, and keeps each
+worker's error report (torch.distributed.elastic's per-rank error files). What torchrun does not
+give stays here:
 
-- the layout: one worker per drafter GPU then per target GPU (global rank order, so rank 0 is
-  drafter 0), refused before anything starts when it overlaps or exceeds the visible GPUs; the
-  worker of local rank r uses `cuda:r`, and `CUDA_VISIBLE_DEVICES` lists the layout's GPUs in rank
-  order. A run across several containers (`pipeline.members`) has one launcher and one torchrun
-  per member, joined by a c10d rendezvous at `pipeline.rendezvous` on member 0; global ranks go
-  member by member in member order, each member's drafters then its targets (`rank_table`);
+- the layout: one worker per drafter GPU then per target GPU (global rank order, `dflash.ranks`:
+  rank 0 is drafter 0), refused before anything starts when it overlaps or exceeds the visible GPUs;
+  the worker of local rank r uses `cuda:r`, and `CUDA_VISIBLE_DEVICES` lists the layout's GPUs in
+  rank order. A run across several containers (`pipeline.members`) has one launcher and one
+  torchrun per member, joined by a c10d rendezvous at `pipeline.rendezvous` on member 0;
 - the log and `status.json`: every worker writes JSON lines to torchrun's stdout, which is this
-  process's pipe; they are forwarded to the run's log, and `status.json` (step, loss, last
-  checkpoint, restarts, the error, per-worker state) follows them;
+  process's pipe; they are forwarded to the run's log, and `status.json` follows them and this
+  process's own events (`dflash.status.RunStatus`, its one writer);
 - the stop: torchrun's workers live in sessions of their own, so a SIGTERM to the run's process
-  group reaches this process and torchrun only. torchrun ignores it (it would raise and abandon
-  its workers on a second one); this process sends SIGTERM once to each worker, which finishes or
-  abandons its step (drafter 0 checkpoints) and exits 0, and torchrun then exits 0 too;
+  group reaches this process and torchrun only. torchrun ignores it (its handler raises on every
+  signal, so a second one would abandon its workers mid-checkpoint); this process sends SIGTERM once
+  to each worker, which finishes or abandons its step (drafter 0 checkpoints) and exits 0, and
+  torchrun then exits 0 too;
+- the cause of a failed start: the first error report a worker wrote (its error file, by the time
+  it was written), unless torchrun saw a worker killed by a signal, which can write none; torchrun's
+  failure line is the only word of that, and is read for that alone;
 - death with the parent: torchrun and every worker get SIGKILL when their parent dies, so a
   SIGKILL to the process group leaves no worker behind in another session.
 
-It imports no torch: it stays small and answers signals at once.
+It imports no torch: it stays small and answers signals at once. The stop path's timeouts:
+docs/PIPELINE.md, "Stopping: who waits for what".
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
-import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.config import ConfigError, PipelineConfig, TrainConfig
 from dflash.devices import visible_devices
-from dflash.runtime import EventLog, StatusFile
+from dflash.ranks import first_rank, rank_table
+from dflash.status import LAUNCHER, RunStatus, StatusLog
+from dflash.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
 
-# Seconds the workers get to exit after torchrun's SIGTERM (a failed worker, a finished run),
-# before torchrun's SIGKILL.
-FAILURE_GRACE_S = float(os.environ.get("DFLASH_FAILURE_GRACE_S", "10"))
 STDERR_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.05
 MONITOR_INTERVAL_S = 0.2  # how often torchrun looks at its workers
-_PR_SET_PDEATHSIG = 1
-# torchrun's log line for a worker that ended with an error (torch.distributed.elastic.multiprocessing).
+# torchrun's log line for the first failure of a start (torch.distributed.elastic.multiprocessing):
+# read only for a worker killed by a signal, of which no error file tells.
 _TORCHRUN_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -63,27 +67,8 @@ class WorkerSpec:
     name: str  # drafter0, drafter1..., target0...
     role: str  # "drafter" | "target"
     role_rank: int  # index among the workers of its role, over every member
-    rank: int  # global torch.distributed rank: the member's first rank + LOCAL_RANK (`rank_table`)
+    rank: int  # global torch.distributed rank: the member's first rank + LOCAL_RANK
     gpus: tuple[int, ...]  # the layout's GPU indices (into the launcher's visible GPUs); () on CPU
-
-
-def rank_table(pipeline: PipelineConfig) -> list[tuple[str, str, int, int]]:
-    """(name, role, role rank, member) of every global rank of the run, in rank order: member by
-    member in member order, and within a member its drafters, then its targets; role ranks count in
-    rank order. One member: drafters first, rank 0 is drafter 0. Members [1+1, 1+1]: drafter0,
-    target0 (member 0), drafter1, target1 (member 1)."""
-    table: list[tuple[str, str, int, int]] = []
-    counts = {"drafter": 0, "target": 0}
-    for member, (drafters, targets) in enumerate(pipeline.member_counts):
-        for role in ["drafter"] * drafters + ["target"] * targets:
-            table.append((f"{role}{counts[role]}", role, counts[role], member))
-            counts[role] += 1
-    return table
-
-
-def first_rank(pipeline: PipelineConfig) -> int:
-    """The global rank of this member's local rank 0."""
-    return sum(d + t for d, t in pipeline.member_counts[:pipeline.member])
 
 
 def plan_workers(pipeline: PipelineConfig, n_visible_gpus: int) -> list[WorkerSpec]:
@@ -109,14 +94,15 @@ def rendezvous_arguments(pipeline: PipelineConfig) -> list[str]:
             "--rdzv-conf", f"is_host={is_host},join_timeout={pipeline.rendezvous_timeout}", *own]
 
 
-def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int) -> list[str]:
-    """torchrun for this container: the rendezvous, one worker per layout slot."""
+def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int, log_dir: str) -> list[str]:
+    """torchrun for this container: the rendezvous, one worker per layout slot, its per-rank error
+    files under `log_dir`."""
     return [
         sys.executable, "-m", "torch.distributed.run", *rendezvous_arguments(pipeline),
         "--nproc-per-node", str(n_workers), "--max-restarts", str(pipeline.max_restarts),
-        "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(math.ceil(FAILURE_GRACE_S)),
+        "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(TORCHRUN_SHUTDOWN_TIMEOUT_S),
         # SIGTERM/SIGINT are this launcher's to forward (see the module's docstring).
-        "--signals-to-handle", "SIGHUP,SIGQUIT",
+        "--signals-to-handle", "SIGHUP,SIGQUIT", "--log-dir", log_dir,
         "-m", "dflash.pipeline", "--config", config_path,
     ]
 
@@ -146,21 +132,12 @@ def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig,
     return env
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-
-
 def _torchrun_setup() -> None:
-    """In torchrun before exec: SIGTERM and SIGINT ignored (they are the launcher's), death with
-    the launcher."""
+    """In torchrun before exec: SIGTERM and SIGINT ignored (they are the launcher's), nothing it or
+    its workers write (the error files) writable by group or others, death with the launcher."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.umask(os.umask(0) | 0o022)
     die_with_parent()
 
 
@@ -173,38 +150,48 @@ def describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
+def read_error_report(path: str | None) -> tuple[int, str] | None:
+    """(when it was written, in ns, its message) of a worker's torchrun error file, or None when the
+    worker wrote none. torchrun's own timestamp in it counts whole seconds; the file's does not."""
+    try:
+        written = os.stat(path).st_mtime_ns
+        message = json.loads(Path(path).read_text())["message"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return None
+    return written, message["message"] if isinstance(message, dict) else str(message)
+
+
 @dataclass
-class WorkerState:
+class Worker:
+    """A worker of the current start of the group, as its `worker_start` line announced it."""
+
     spec: WorkerSpec
     pid: int
-    state: str = "starting"
-    error: str | None = None
+    error_file: str | None
+    asked_to_stop: bool = False
+    returncode: int | None = None  # from its worker_exit line
+
+    def report(self) -> tuple[int, str] | None:
+        return read_error_report(self.error_file)
+
+    def __str__(self) -> str:
+        return f"worker {self.spec.name} (pid {self.pid})"
 
 
-@dataclass
 class Launcher:
-    cfg: TrainConfig
-    config_path: str
-    devices: list[str] = field(default_factory=list)
-    specs: list[WorkerSpec] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.config_path = str(Path(self.config_path).resolve())
-        if self.cfg.pipeline.device == "cuda":
-            self.devices = visible_devices()
-        self.specs = plan_workers(self.cfg.pipeline, len(self.devices))
-        self.status = StatusFile(self.cfg.run.output_dir)
-        self.log = EventLog(self.cfg.optim.total_steps)
+    def __init__(self, cfg: TrainConfig, config_path: str):
+        self.cfg = cfg
+        self.config_path = str(Path(config_path).resolve())
+        self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
+        self.specs = plan_workers(cfg.pipeline, len(self.devices))
+        self.status = RunStatus(cfg.run.output_dir)
+        self.log = StatusLog(cfg.optim.total_steps, self.status)
         self.lock = threading.RLock()
-        self.workers: dict[str, WorkerState] = {}  # the current attempt's workers, by name
+        self.workers: dict[str, Worker] = {}  # the current start's workers, by name
         self.attempt = 0  # torchrun's restart count
         self.stop_requested = False
         self.stop_forwarded = False
-        self.last_failure: str | None = None
-        # The attempt's first worker to report an error of its own: the cause when the others then fail
-        # (a lost peer). torchrun names the earliest failure it sees, by a timestamp in whole seconds,
-        # so of workers that ended in one second it names the lowest local rank, not the first.
-        self.first_error: WorkerState | None = None
+        self.torchrun_failure: tuple[int, int, int] | None = None  # the start's (local rank, pid, exit code)
         self.stderr_tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.process: subprocess.Popen | None = None
 
@@ -212,12 +199,6 @@ class Launcher:
     def emit(self, event: str, **fields) -> None:
         with self.lock:
             self.log.emit(event, **fields)
-
-    def update_status(self, **fields) -> None:
-        with self.lock:
-            table = {name: {"state": w.state, "pid": w.pid, "gpus": list(w.spec.gpus)}
-                     for name, w in sorted(self.workers.items())}
-            self.status.update(workers=table, **fields)
 
     def _on_line(self, line: str) -> None:
         try:
@@ -228,52 +209,32 @@ class Launcher:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
             if isinstance(record, dict) and "event" in record:
+                if record["event"] == "worker_start":
+                    self._on_worker_start(record)  # a restart's event first, then the worker's
+                self.status.follow(record)
                 self._on_event(record)
 
     def _on_event(self, record: dict) -> None:
-        event, name = record["event"], record.get("worker")
-        if event == "worker_start":
-            self._on_worker_start(record)
-            return
-        worker = self.workers.get(name)
-        if event == "start" and worker is not None:
-            worker.state = "stopping" if self.stop_forwarded else "running"
-            self.update_status()
-        elif event == "step":
-            self.update_status(state="stopping" if self.stop_forwarded else "running",
-                               **{k: record.get(k) for k in ("step", "loss", "accuracy", "tokens_per_s")})
+        event, worker = record["event"], self.workers.get(record.get("worker"))
+        if event == "step":
             self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
-        elif event == "heldout":
-            self.update_status(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
-        elif event in ("checkpoint", "resume"):
-            path = record.get("path") or record.get("checkpoint")
-            self.update_status(step=record.get("step"), last_checkpoint=path)
-        elif event == "error" and worker is not None:
-            worker.error = record.get("message")
-            self.first_error = self.first_error or worker
-        elif event == "stop" and worker is not None:
-            worker.state = "stopped"
-            self.update_status()
-            if worker.spec.role == "drafter":
-                # The drafters have checkpointed and stop: the targets must stop feeding them.
-                self._ask_to_stop([w for w in self.workers.values() if w.spec.role == "target"])
-        elif event == "worker_exit" and worker is not None:
-            worker.state = "exited" if record.get("returncode") == 0 else "failed"
-            self.update_status()
+        if worker is None:
+            return
+        if event == "stop" and worker.spec.role == "drafter":
+            # The drafters have checkpointed and stop: the targets must stop feeding them.
+            self._ask_to_stop([w for w in self.workers.values() if w.spec.role == "target"])
+        elif event == "worker_exit":
+            worker.returncode = record.get("returncode")
 
     def _on_worker_start(self, record: dict) -> None:
         restart = int(record.get("restart", 0))
         if restart > self.attempt:  # torchrun restarted the group
-            self.attempt = restart
-            self.workers = {}
-            self.first_error = None
-            cause = self.last_failure or "a worker failed"
+            cause = self.start_failure() or "a worker failed"
+            self.attempt, self.workers, self.torchrun_failure = restart, {}, None
             self.emit("restart", restart=restart, max_restarts=self.cfg.pipeline.max_restarts, cause=cause)
-            self.update_status(state="stopping" if self.stop_requested else "starting", restarts=restart)
         spec = self.specs[int(record["local_rank"])]
-        worker = WorkerState(spec, int(record["pid"]))
+        worker = Worker(spec, int(record["pid"]), record.get("error_file"))
         self.workers[spec.name] = worker
-        self.update_status()
         if self.stop_forwarded:  # started after the stop was asked for: it stops at once
             self._ask_to_stop([worker])
 
@@ -285,42 +246,55 @@ class Launcher:
             match = _TORCHRUN_FAILURE.search(line)
             if match:
                 code, local_rank, pid = (int(g) for g in match.groups())
-                spec = self.specs[local_rank] if local_rank < len(self.specs) else None
-                name = spec.name if spec else f"local rank {local_rank}"
-                worker = self.workers.get(name)
-                if worker is not None and worker.pid == pid:
-                    worker.state = "failed"
-                detail = worker.error if worker is not None and worker.error else None
-                how = f"was {describe_exit(code)}" if code < 0 else f"failed with {describe_exit(code)}"
-                # A worker killed by a signal reports nothing itself: torchrun's word is all there is.
-                reported = self._first_reported_error(unless=worker) if code > 0 else None
-                self.last_failure = reported or (
-                    f"worker {name} (pid {pid}) {how}" + (f": {detail}" if detail else ""))
-                self.update_status()
+                self.torchrun_failure = (local_rank, pid, code)
+                _, worker, _ = self._named_by_torchrun()
+                if code < 0 and worker is not None and worker.returncode is None:
+                    # Killed by a signal, it could not log its own exit: torchrun's word stands for it.
+                    worker.returncode = code
+                    self.emit("worker_exit", worker=worker.spec.name, pid=pid, returncode=code)
 
-    def _first_reported_error(self, unless=None) -> str | None:
-        """The error the attempt's first failing worker reported itself (None if none did, or if it is
-        `unless`, the worker torchrun names, whose own report is then used)."""
-        cause = self.first_error
-        if cause is None or cause is unless:
+    def _named_by_torchrun(self) -> tuple[str, Worker | None, int] | None:
+        """The worker torchrun's failure line named for this start: what to call it, its `Worker`
+        (None if it is not one of this start's), its exit code; None when torchrun named none."""
+        if self.torchrun_failure is None:
             return None
-        return f"worker {cause.spec.name} (pid {cause.pid}) failed: {cause.error}"
+        local_rank, pid, code = self.torchrun_failure
+        name = self.specs[local_rank].name if local_rank < len(self.specs) else f"local rank {local_rank}"
+        worker = self.workers.get(name)
+        if worker is not None and worker.pid != pid:
+            worker = None
+        return f"worker {name} (pid {pid})", worker, code
+
+    def start_failure(self) -> str | None:
+        """Why the current start of the group failed, or None when nothing says it did. A worker
+        torchrun saw killed by a signal is the cause (it could report nothing; its peers then report
+        a lost peer); otherwise the first error report a worker wrote; otherwise the worker torchrun
+        saw fail."""
+        named = self._named_by_torchrun()
+        if named is not None and named[2] < 0:
+            who, worker, code = named
+            report = worker.report() if worker is not None else None
+            return f"{who} was {describe_exit(code)}" + (f": {report[1]}" if report else "")
+        reports = sorted((report, str(w)) for w in self.workers.values() if (report := w.report()))
+        if reports:
+            (_, message), who = reports[0]
+            return f"{who} failed: {message}"
+        return None if named is None else f"{named[0]} failed with {describe_exit(named[2])}"
 
     def _pump(self, stream, handle) -> None:
         for raw in stream:
             handle(raw.rstrip("\n"))
 
     # --- the stop ----------------------------------------------------------------------------
-    def _ask_to_stop(self, workers: list[WorkerState]) -> None:
-        """SIGTERM, once, to those of `workers` that have not begun to stop."""
+    def _ask_to_stop(self, workers: list[Worker]) -> None:
+        """SIGTERM, once, to those of `workers` that have not been asked or exited."""
         for worker in workers:
-            if worker.state in ("starting", "running"):
-                worker.state = "stopping"
+            if not worker.asked_to_stop and worker.returncode is None:
+                worker.asked_to_stop = True
                 try:
                     os.kill(worker.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        self.update_status()
 
     def _handle_stop_signal(self, signum, frame) -> None:
         self.stop_requested = True
@@ -329,10 +303,16 @@ class Launcher:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._handle_stop_signal)
         signal.signal(signal.SIGINT, self._handle_stop_signal)
-        command = torchrun_command(self.cfg.pipeline, self.config_path, len(self.specs))
+        log_dir = tempfile.mkdtemp(prefix="dflash-torchrun-")  # torchrun's per-rank error files
+        try:
+            return self._run(log_dir)
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    def _run(self, log_dir: str) -> int:
+        command = torchrun_command(self.cfg.pipeline, self.config_path, len(self.specs), log_dir)
         self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs],
                   max_restarts=self.cfg.pipeline.max_restarts)
-        self.status.update(state="starting", pid=os.getpid(), step=0, workers={})
         self.process = subprocess.Popen(
             command, env=torchrun_environment(self.specs, self.cfg.pipeline, self.devices),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
@@ -346,28 +326,23 @@ class Launcher:
             if self.stop_requested and not self.stop_forwarded:
                 with self.lock:
                     self.stop_forwarded = True
-                    self.emit("stop", reason="signal", worker="launcher")
-                    self.update_status(state="stopping")
+                    self.emit("stop", reason="signal", worker=LAUNCHER)
                     self._ask_to_stop(list(self.workers.values()))
             time.sleep(POLL_INTERVAL_S)
         for pump in pumps:  # the pipes close when torchrun and its workers are gone
-            pump.join(timeout=10)
+            pump.join(timeout=PIPES_CLOSE_TIMEOUT_S)
         return self._finish(self.process.returncode)
 
     def _finish(self, code: int) -> int:
-        exited = [w for w in self.workers.values() if w.state == "exited"]
-        clean = len(exited) == len(self.specs)
+        clean = len(self.workers) == len(self.specs) and all(w.returncode == 0 for w in self.workers.values())
         if code == 0 or (self.stop_requested and clean):
-            self.update_status(state="stopped")
             self.emit("exit", returncode=0, restarts=self.attempt)
             return 0
         last_line = next((line for line in reversed(self.stderr_tail) if line.strip()), "no error output")
-        error = (self.last_failure or self._first_reported_error()
-                 or f"torchrun failed with {describe_exit(code)}: {last_line}")
-        if self.attempt >= self.cfg.pipeline.max_restarts and self.last_failure:
+        error = self.start_failure() or f"torchrun failed with {describe_exit(code)}: {last_line}"
+        if self.attempt >= self.cfg.pipeline.max_restarts and self.torchrun_failure:
             error += f" (after {self.attempt} restart(s) of {self.cfg.pipeline.max_restarts} allowed)"
         self.emit("error", message=error, stderr_tail="\n".join(self.stderr_tail))
-        self.update_status(state="failed", error=error)
         self.emit("exit", returncode=1, error=error, restarts=self.attempt)
         print(f"dflash.train: {error}", file=sys.stderr)
         return 1

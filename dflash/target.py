@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.data import Example, collate
 from dflash.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
 # Where the trainer has always found it; the rules live in dflash.mask_token.
@@ -181,6 +182,19 @@ def target_hidden_states(
         for handle in handles:
             handle.remove()
     return PackedHiddenStates(features.view(features.shape[0], -1), cu_seqlens, position_ids, token_index)
+
+
+def step_features(target: nn.Module, examples: list[Example], layer_ids: list[int],
+                  rows_per_pass: int | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """What one drafter step takes from a batch of `examples`, computed by `target` on `device`:
+    the packed `[T, k*H]` features of `layer_ids` with their `cu_seqlens` and `position_ids`, and
+    the batch's `input_ids` and `loss_mask` packed the same way (the keyword arguments of
+    `DrafterTrainer.train_step` and of `dflash.transport.send_batch`)."""
+    batch = {name: t.to(device) for name, t in collate(examples).items()}
+    packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
+                                  rows_per_pass)
+    return {"features": packed.features, "cu_seqlens": packed.cu_seqlens, "position_ids": packed.position_ids,
+            "input_ids": packed.pack(batch["input_ids"]), "loss_mask": packed.pack(batch["loss_mask"])}
 
 
 @torch.no_grad()

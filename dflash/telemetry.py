@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode
-from dflash.training import StepResult
+from dflash.trainer import StepResult
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.memory import peak_allocated_bytes
 from dflash.hidden_states import document_ids, get_hidden_states_packed, get_hidden_states_padded
-from dflash.memory import peak_allocated_bytes
 
 
 def ragged_batch(lengths: list[int], max_len: int, hidden: int, n_layers: int, left_pad: bool,

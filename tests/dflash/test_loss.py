@@ -19,7 +19,7 @@ from dflash.loss import (
     loss_decay,
     sample_anchors,
 )
-from dflash.training import lr_multiplier
+from dflash.trainer import lr_multiplier
 
 MASK = 99
 BLOCK = 4

@@ -14,7 +14,7 @@ from dflash.hidden_states import get_hidden_states_packed
 from dflash.loss import build_block_batch, dflash_loss
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.target import TargetHead, build_target_layer_ids, load_target, target_hidden_states
-from dflash.training import DrafterTrainer, build_drafter, document_groups
+from dflash.trainer import DrafterTrainer, build_drafter, document_groups
 
 BLOCK = 4
 VOCAB = 50

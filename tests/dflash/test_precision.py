@@ -6,7 +6,7 @@ import torch
 
 from dflash.config import config_from_dict
 from dflash.target import TargetHead, load_target, target_hidden_states
-from dflash.training import DrafterTrainer, build_drafter, compute_precision
+from dflash.trainer import DrafterTrainer, build_drafter, compute_precision
 
 
 def test_bf16_steps_at_the_papers_lr_move_every_trainable_element(tiny_target, tiny_config, tmp_path):

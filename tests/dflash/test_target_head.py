@@ -8,7 +8,7 @@ import transformers
 
 from dflash.config import config_from_dict
 from dflash.target import TargetHead, load_target, load_target_head
-from dflash.training import build_drafter
+from dflash.trainer import build_drafter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -22,7 +22,7 @@ from dflash.evaluate import (
 )
 from dflash.heldout import HeldOutEvaluator
 from dflash.target import load_target
-from dflash.training import resolve_layer_ids
+from dflash.trainer import resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[2]
 

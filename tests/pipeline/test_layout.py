@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from dflash.config import ConfigError, PipelineConfig
-from dflash.launcher import plan_workers, rank_table, torchrun_command, torchrun_environment
+from dflash.launcher import plan_workers, torchrun_command, torchrun_environment
+from dflash.ranks import rank_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,10 +34,12 @@ def test_production_layout_pins_one_gpu_per_worker():
 
 def test_torchrun_runs_the_layout_on_loopback_with_the_restart_limit():
     layout = PipelineConfig(target_workers=2, drafter_workers=1, threads_per_worker=1, max_restarts=5)
-    command = torchrun_command(layout, "/srv/config.yaml", 3)
+    command = torchrun_command(layout, "/srv/config.yaml", 3, "/tmp/errors")
     assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     flags = dict(zip(command, command[1:], strict=False))
     assert flags["--nproc-per-node"] == "3" and flags["--max-restarts"] == "5"
+    # torchrun keeps each worker's error file there (TORCHELASTIC_ERROR_FILE), for the launcher to read.
+    assert flags["--log-dir"] == "/tmp/errors"
     assert command[-4:] == ["-m", "dflash.pipeline", "--config", "/srv/config.yaml"]
     assert PipelineConfig().max_restarts == 3
 
@@ -62,7 +65,7 @@ def test_a_run_across_members_numbers_ranks_member_by_member_and_joins_them_at_m
     # Member 1's local ranks 0, 1, 2 are global ranks 3, 4, 5, on its own GPUs.
     assert [(w.name, w.rank, w.gpus) for w in plan_workers(second, n_visible_gpus=4)] == [
         ("drafter1", 3, (0,)), ("drafter2", 4, (1,)), ("target2", 5, (3,))]
-    flags = dict(zip(command := torchrun_command(second, "/c.yaml", 3), command[1:], strict=False))
+    flags = dict(zip(command := torchrun_command(second, "/c.yaml", 3, "/tmp/e"), command[1:], strict=False))
     assert "--standalone" not in command
     assert (flags["--nnodes"], flags["--rdzv-backend"], flags["--rdzv-endpoint"], flags["--local-addr"]) == (
         "2", "c10d", "10.0.0.5:29400", "10.0.0.6")

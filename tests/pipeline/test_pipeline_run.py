@@ -123,7 +123,7 @@ def test_sigterm_checkpoints_leaves_nothing_running_and_two_drafters_resume_exac
 def test_a_crashing_worker_stops_the_run_with_its_error(write_config, start_run):
     run = start_run(write_config("crash", optim={"total_steps": 10_000},
                                  pipeline={**PIPELINE, "max_restarts": 0}),
-                    env={"DFLASH_TEST_FAIL_AT": "target1:2", "DFLASH_FAILURE_GRACE_S": "5"})
+                    env={"DFLASH_TEST_FAIL_AT": "target1:2"})
     started = time.monotonic()
     assert run.wait(timeout=180) == 1
     log = run.log_path.read_text()
@@ -161,7 +161,7 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
         write_config, start_run, pid_alive):
     config = write_config("restarts", optim={"total_steps": 10_000}, run={"save_every": 2, "step_delay": 0.1},
                           pipeline={**PIPELINE, "max_restarts": 2})
-    run = start_run(config, env={"DFLASH_FAILURE_GRACE_S": "5"})
+    run = start_run(config)
     since = -1  # events after this position belong to the current start of the group (its restart event)
     # SIGKILL, as an OOM kill would: a target, then the drafter, then a target once the limit is spent.
     for restart, victim in enumerate(["target0", "drafter0", "target1"]):

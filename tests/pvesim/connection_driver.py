@@ -105,7 +105,7 @@ if __name__ == "__main__":
         conn = open_connection(hostvars, **(json.loads(Path(args[0]).read_text()) if args else {}))
         serve(conn, sys.stdin, sys.stdout)
     else:
-        from dflash.memory import peak_rss_bytes
+        from benchmarks.memory import peak_rss_bytes
 
         conn = open_connection(hostvars)
         transfer = conn.put_file if verb == "put" else conn.fetch_file

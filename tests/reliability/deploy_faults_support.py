@@ -164,9 +164,10 @@ def kill_deploy_when(fleet, due, log: Path, delay: float | None = None, poll_s=0
                         last_heading(output), output)
 
 
-def container_quiet(fleet, vmid=VMID) -> list[str]:
-    """Processes of the container still running for an Ansible task (entered through pct exec, so
-    in no session of the container), besides this probe itself."""
+def ansible_task_processes(fleet, vmid=VMID) -> list[str]:
+    """The container's processes still running for an Ansible task (entered through pct exec, so in
+    no session of the container), besides this probe itself, as "<pid> <command line>"; [] when the
+    container is quiet."""
     res = fleet.ct(vmid, "echo $$; ps -eo pid=,ppid=,sid=,args=")
     lines = res.stdout.splitlines()
     probe = lines[0].strip()
@@ -184,14 +185,14 @@ def wait_until_quiet(fleet, timeout=300, vmid=VMID) -> float:
     started = time.monotonic()
     quiet_since = None
     while time.monotonic() - started < timeout:
-        if container_quiet(fleet, vmid):
+        if ansible_task_processes(fleet, vmid):
             quiet_since = None
         elif quiet_since is None:
             quiet_since = time.monotonic()
         elif time.monotonic() - quiet_since >= 3:
             return time.monotonic() - started
         time.sleep(1)
-    raise AssertionError(f"CT {vmid} still busy after {timeout} s: {container_quiet(fleet, vmid)}")
+    raise AssertionError(f"CT {vmid} still busy after {timeout} s: {ansible_task_processes(fleet, vmid)}")
 
 
 def release_problems(fleet, release_dir: str, vmid=VMID) -> list[str]:

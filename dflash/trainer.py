@@ -1,8 +1,10 @@
-"""The drafter's optimisation step, reusable by any process that holds packed target features.
+"""One drafter rank's optimisation step, for any process that holds packed target features.
 
 `DrafterTrainer.train_step(features, cu_seqlens, position_ids, input_ids, loss_mask)` takes the
 packed output of the target (`[T, k*H]` plus its metadata, as `get_hidden_states_packed` gives it
 or another process sent it), samples anchors, builds the blocks, and takes one AdamW step.
+With other drafter ranks (a process group) the forward and backward run through DDP, which averages
+the gradients; the drafter itself stays beside its wrapper, and is what the run saves and evaluates.
 Its `state_dict()` holds what a resume needs besides the weights and the random state: optimizer
 moments, scheduler, step (the anchor RNG, one per drafter rank, is saved by the run).
 """
@@ -14,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from dflash.config import OptimConfig, TrainConfig
 from dflash.loss import (
@@ -139,10 +142,14 @@ def anchor_seed(seed: int, rank: int) -> int:
 
 
 class DrafterTrainer:
-    """One drafter, its optimizer and scheduler, and the anchor RNG of its rank."""
+    """One drafter, its optimizer and scheduler, and the anchor RNG of its rank; with the other
+    drafter ranks' `process_group`, also its DDP wrapper (`ddp`), through which it trains. Every
+    drafter rank must build its trainer at the same point: DDP's construction is a collective."""
 
-    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig, rank: int = 0):
+    def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig, rank: int = 0, process_group=None):
         self.drafter = drafter
+        self.ddp = None if process_group is None else DistributedDataParallel(drafter,
+                                                                              process_group=process_group)
         self.cfg = cfg
         self.gamma = cfg.gamma
         self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim)
@@ -184,6 +191,7 @@ class DrafterTrainer:
         total_weight = sum(batch.weights.sum() for _, _, batch in parts)
 
         self.drafter.train()
+        forward = self.drafter if self.ddp is None else self.ddp
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         hits_by_position, counts_by_position = [0] * dcfg.block_size, [0] * dcfg.block_size
@@ -191,10 +199,9 @@ class DrafterTrainer:
             # Under DDP only the last pass synchronises, so that every rank all-reduces once a step
             # however many groups its batch has.
             last = i == len(parts) - 1
-            no_sync = getattr(self.drafter, "no_sync", None)
-            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                 with compute_precision(self.cfg, device):
-                    hidden = self.drafter(features[start:end], position_ids[start:end],
+                    hidden = forward(features[start:end], position_ids[start:end],
                                           batch.block_input_ids, batch.block_positions, batch.sparse_mask)
                     loss, hits, counts = scored_loss(self.drafter, hidden, batch, total_weight,
                                                      self.cfg.model.loss_chunk_size)

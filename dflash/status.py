@@ -1,0 +1,107 @@
+"""status.json, which follows the run's log: its one writer, in either layout.
+
+`RunStatus.follow(record)` takes each JSON line of the run's log, in order, and rewrites
+`<output_dir>/status.json` (through `StatusFile`, atomically) when the line changes what it shows.
+A single-process run's `StatusLog` hands it every event the trainer logs; a pipeline's launcher
+hands it its own events and every worker's lines, which reach it on torchrun's stdout. Nothing else
+writes status.json, so it never says what the log does not (docs/CONTRACTS.md has its fields).
+
+The run's own process (the single-process trainer, or the launcher) logs without a `worker` field;
+a single-process run names itself `process_worker` in the workers table. The launcher's stop (the
+one event it logs with `"worker": "launcher"`) turns the run and its workers to `stopping`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dflash.runtime import EventLog, StatusFile
+
+LAUNCHER = "launcher"  # the `worker` of the launcher's stop event
+ACTIVE = ("starting", "running")
+
+
+class RunStatus:
+    def __init__(self, output_dir: str | Path, process_worker: str | None = None):
+        self.process_worker = process_worker
+        self.workers: dict[str, dict] = {}
+        if process_worker is not None:
+            self.workers[process_worker] = {"state": "starting", "pid": os.getpid(), "gpus": []}
+        self.stopping = False
+        self.file = StatusFile(output_dir)
+        self._write(state="starting")
+
+    def _write(self, **fields) -> None:
+        self.file.update(workers={name: dict(w) for name, w in sorted(self.workers.items())}, **fields)
+
+    def _active(self) -> str:
+        return "stopping" if self.stopping else "running"
+
+    def _set_worker(self, name: str | None, state: str) -> None:
+        if name in self.workers:
+            self.workers[name]["state"] = state
+
+    def follow(self, record: dict) -> None:
+        """Update status.json for one line of the log (lines that are not events change nothing)."""
+        event = record.get("event")
+        own = "worker" not in record  # a line of the run's own process
+        worker = self.process_worker if own else record["worker"]
+        if event == "launch":
+            self._write(state="starting", step=0)
+        elif event == "restart":
+            self.workers = {}
+            self._write(state="stopping" if self.stopping else "starting", restarts=record["restart"])
+        elif event == "worker_start":
+            self.workers[worker] = {"state": "stopping" if self.stopping else "starting",
+                                    "pid": record["pid"], "gpus": list(record.get("gpus", []))}
+            self._write()
+        elif event == "start":
+            self._set_worker(worker, self._active())
+            self._write(state=self._active())
+        elif event == "step":
+            self._write(state=self._active(), **{k: record.get(k) for k in ("step", "loss", "accuracy",
+                                                                             "tokens_per_s")})
+        elif event == "heldout":
+            self._write(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
+        elif event in ("checkpoint", "resume"):
+            self._write(step=record["step"], last_checkpoint=record.get("path") or record.get("checkpoint"))
+        elif event == "stop":
+            self._on_stop(worker, own, record)
+        elif event == "error" and own:
+            self._set_worker(worker, "failed")
+            self._write(state="failed", error=record.get("message"))
+        elif event == "worker_exit":
+            self._set_worker(worker, "exited" if record.get("returncode") == 0 else "failed")
+            self._write()
+        elif event == "exit":
+            if record.get("returncode") == 0:
+                self._write(state="stopped")
+            else:
+                self._write(state="failed", error=record.get("error"))
+
+    def _on_stop(self, worker: str | None, own: bool, record: dict) -> None:
+        if worker == LAUNCHER:  # the launcher passes a stop on to the workers
+            self.stopping = True
+            for w in self.workers.values():
+                if w["state"] in ACTIVE:
+                    w["state"] = "stopping"
+            self._write(state="stopping")
+            return
+        self._set_worker(worker, "stopped")
+        if own:  # a single-process run has checkpointed and stops
+            self._write(state="stopped", step=record.get("step"))
+        else:
+            self._write()
+
+
+class StatusLog(EventLog):
+    """The run's log (JSON lines on stdout), with status.json following every event it emits."""
+
+    def __init__(self, total_steps: int, status: RunStatus):
+        super().__init__(total_steps)
+        self.status = status
+
+    def emit(self, event: str, **fields) -> None:
+        super().emit(event, **fields)
+        self.status.follow({"event": event, **fields})
