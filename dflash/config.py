@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16")
 # take ~0.6 GiB, and 512-row matmuls keep the lm_head's throughput.
 DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
+FEATURE_CHECKS = ("checksums", "sizes")
 
 
 class ConfigError(ValueError):
@@ -129,6 +130,10 @@ class DataConfig(_Section):
     # held-out evaluation. Only the first eval_examples rows are used.
     eval_path: str | None = None
     eval_examples: int = 16
+    # A feature cache (`python -m dflash.capture`) the drafter reads instead of running the target;
+    # its shards' checksums (or only their "sizes") are verified before training starts.
+    features_path: str | None = None
+    features_verify: str = "checksums"
     _name = "data"
 
     def __post_init__(self) -> None:
@@ -137,6 +142,10 @@ class DataConfig(_Section):
         self._require(self.eval_path is None or bool(self.eval_path), "eval_path",
                       "must name a JSON-lines file or be null")
         self._require(self.eval_examples >= 1, "eval_examples", "must be >= 1")
+        self._require(self.features_path is None or bool(self.features_path), "features_path",
+                      "must name a feature cache directory or be null")
+        self._require(self.features_verify in FEATURE_CHECKS, "features_verify",
+                      f"must be one of {', '.join(FEATURE_CHECKS)}")
         self._require(self.max_length >= 2, "max_length", "must be >= 2")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
         self._require(self.max_anchors >= 1, "max_anchors", "must be >= 1")
@@ -268,9 +277,9 @@ class PipelineConfig(_Section):
             if self.target_workers or self.drafter_workers:
                 raise ConfigError("pipeline", "target_workers/drafter_workers are for device cpu; "
                                   "on cuda list the GPUs in target_gpus and drafter_gpus")
-            if not self.target_gpus or not self.drafter_gpus:
-                raise ConfigError("pipeline", "device cuda needs at least one target GPU and one drafter "
-                                  f"GPU, got target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
+            if not self.drafter_gpus:
+                raise ConfigError("pipeline", "device cuda needs at least one drafter GPU, got "
+                                  f"target_gpus={self.target_gpus} drafter_gpus={self.drafter_gpus}")
             for key in ("target_gpus", "drafter_gpus"):
                 gpus = getattr(self, key)
                 self._require(len(set(gpus)) == len(gpus), key, "lists a GPU twice")
@@ -278,9 +287,9 @@ class PipelineConfig(_Section):
             if self.target_gpus or self.drafter_gpus:
                 raise ConfigError("pipeline", "target_gpus/drafter_gpus need device cuda; "
                                   "on cpu use target_workers and drafter_workers")
-            if self.target_workers < 1 or self.drafter_workers < 1:
-                raise ConfigError("pipeline", "a cpu pipeline needs target_workers >= 1 and drafter_workers "
-                                  f">= 1, got {self.target_workers} and {self.drafter_workers}")
+            if self.drafter_workers < 1:
+                raise ConfigError("pipeline", "a cpu pipeline needs drafter_workers >= 1, got "
+                                  f"{self.drafter_workers} (and target_workers {self.target_workers})")
 
     def check_visible_gpus(self, n_visible_gpus: int) -> None:
         """Refuse a cuda layout that names GPUs this machine does not have."""
@@ -328,6 +337,13 @@ class TrainConfig:
         if self.model.block_size > self.data.max_length:
             raise ConfigError("model.block_size", f"{self.model.block_size} does not fit in "
                               f"data.max_length {self.data.max_length}: no block could be trained")
+        targets = sum(t for _, t in self.pipeline.member_counts)
+        if self.pipeline.is_multi_process and (self.data.features_path is None) == (targets == 0):
+            key = "pipeline.target_gpus" if self.pipeline.device == "cuda" else "pipeline.target_workers"
+            raise ConfigError(key, f"must name no target when data.features_path is set, got {targets} "
+                              "(the drafters read the features from the cache)" if targets else
+                              "the run needs a target to compute the features, or data.features_path "
+                              "(a feature cache: python -m dflash.capture)")
 
     @property
     def gamma(self) -> float:
@@ -424,6 +440,10 @@ def check_data(cfg: TrainConfig) -> None:
         if not path.is_file():
             what = "a directory" if path.is_dir() else "no file"
             raise ConfigError(f"data.{key}", f"{what} at {value!r} (expected a JSON-lines file)")
+    if cfg.data.features_path is not None:
+        from dflash.feature_cache import check_cache
+
+        check_cache(cfg, checksums=False)  # the run's start verifies the checksums too
 
 
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:

@@ -208,7 +208,11 @@ def run_single_process(cfg: TrainConfig) -> int:
     stop = StopSignal().install()
     try:
         status.update(state="starting")
-        run = SingleProcessRun(cfg, status, log, stop)
+        if cfg.data.features_path is not None:  # the target's features come from a feature cache
+            from dflash.cache_feed import CachedRun as run_type
+        else:
+            run_type = SingleProcessRun
+        run = run_type(cfg, status, log, stop)
         run.resume()
         worker["state"] = "running"
         reason = run.run()
