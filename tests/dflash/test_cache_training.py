@@ -34,8 +34,8 @@ def from_cache(tiny_config, tmp_path):
     return make
 
 
-def test_an_epoch_from_the_cache_gives_the_online_losses_bit_for_bit(tiny_config, tiny_eval_dataset, from_cache,
-                                                                     tmp_path, capsys, monkeypatch):
+def test_an_epoch_from_the_cache_gives_the_online_losses_bit_for_bit(
+        tiny_config, tiny_eval_dataset, from_cache, tmp_path, capsys, monkeypatch):
     sections = {"optim": {"total_steps": EPOCH}, "data": {"eval_path": str(tiny_eval_dataset)},
                 "run": {"eval_every": 4}}
     code, online = train_in_process(tiny_config(tmp_path / "online", **sections), capsys)
@@ -43,7 +43,8 @@ def test_an_epoch_from_the_cache_gives_the_online_losses_bit_for_bit(tiny_config
     raw = from_cache("cached", **sections)
     loaded = []
     real_load_target = cache_feed.load_target
-    monkeypatch.setattr(cache_feed, "load_target", lambda *a, **k: loaded.append(a) or real_load_target(*a, **k))
+    monkeypatch.setattr(cache_feed, "load_target",
+                        lambda *args, **kwargs: loaded.append(args) or real_load_target(*args, **kwargs))
     code, cached = train_in_process(raw, capsys)
     assert code == 0
     assert step_losses(cached) == step_losses(online) and len(step_losses(cached)) == EPOCH
