@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from dflash.cache_feed import cache_feed
 from dflash.checkpoint import list_checkpoints, remove_partial_saves
 from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
@@ -380,8 +381,9 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, signal: StopSignal, device
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
     dist.broadcast(position, src=ctx.drafter_ranks[0])
     last_step = run_end_step(cfg, first_step)
-    feed = BatchFeed(ctx, first_step * ctx.num_drafters, last_step * ctx.num_drafters,
-                     cfg.pipeline.queue_depth, device)
+    first, end = first_step * ctx.num_drafters, last_step * ctx.num_drafters
+    feed = (cache_feed(cfg, run.order, first, end, ctx.role_rank, ctx.num_drafters) if cfg.data.features_path
+            else BatchFeed(ctx, first, end, cfg.pipeline.queue_depth, device))
     run.attach(feed, last_step)
     try:
         reason = run.run()

@@ -12,6 +12,8 @@ from dflash import cache_feed
 from dflash.capture import capture
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import config_from_dict
+from dflash.data import BatchOrder
+from dflash.runtime import StopSignal
 from tests.dflash.test_feature_cache import SMALL_SHARDS, Log
 from tests.dflash.test_train import step_losses, train_in_process
 
@@ -79,3 +81,25 @@ def test_a_run_from_the_cache_resumes_exactly_across_epochs(tiny_config, from_ca
     online_losses = step_losses(online)
     assert [online_losses[s] for s in range(1, EPOCH + 1)] == [expected[s] for s in range(1, EPOCH + 1)]
     assert all(math.isclose(online_losses[s], expected[s], rel_tol=1e-5) for s in range(EPOCH + 1, steps + 1))
+
+
+def test_each_drafter_reads_its_share_of_the_schedule_from_a_resumed_position(from_cache):
+    cfg = config_from_dict(from_cache("feeds"))
+    cache = cache_feed.FeatureCache(cfg.data.features_path)
+    order = BatchOrder(len(cache), cfg.data.batch_size, cfg.run.seed)
+    for _ in range(5):  # a resumed run: its data position is 5 batches in
+        order.next_batch()
+    expected = BatchOrder(len(cache), cfg.data.batch_size, cfg.run.seed)
+    expected.load_state_dict(order.state_dict())
+    batches = [expected.next_batch() for _ in range(12)]  # batches 10..21 (steps 5..10 of 2 drafters)
+    for rank in (0, 1):
+        feed = cache_feed.CacheFeed(cache, order, 10, 22, rank, 2, depth=2)
+        got = []
+        while isinstance(item := feed.next(StopSignal()), dict):
+            got.append(item)
+        assert item == cache_feed.END and feed.error is None
+        assert [b["index"] for b in got] == list(range(10 + rank, 22, 2))
+        assert [b["indices"] for b in got] == batches[rank::2]
+        for batch in got:
+            assert batch["features"].shape == (int(batch["cu_seqlens"][-1]), 32)
+            assert batch["cu_seqlens"].dtype == torch.int32 and batch["input_ids"].dtype == torch.int64
