@@ -130,8 +130,7 @@ class DataConfig(_Section):
     # held-out evaluation. Only the first eval_examples rows are used.
     eval_path: str | None = None
     eval_examples: int = 16
-    # A feature cache (`python -m dflash.capture`) the drafter reads instead of running the target;
-    # its shards' checksums (or only their "sizes") are verified before training starts.
+    # A feature cache (python -m dflash.capture) read instead of the target; checksums or sizes verified.
     features_path: str | None = None
     features_verify: str = "checksums"
     _name = "data"
@@ -430,8 +429,9 @@ def check_against_target(cfg: TrainConfig) -> None:
         raise ConfigError("model.mask_token_id", problem)
 
 
-def check_data(cfg: TrainConfig) -> None:
-    """The training data (and the held-out data, if any) are files on this machine."""
+def check_data(cfg: TrainConfig, checksums: bool = False) -> None:
+    """The training data (and the held-out data, if any) are files on this machine; a feature cache
+    is this run's (`dflash.feature_cache`; with `checksums`, unless features_verify is sizes, its shards')."""
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
         if value is None:
@@ -443,13 +443,13 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.data.features_path is not None:
         from dflash.feature_cache import check_cache
 
-        check_cache(cfg, checksums=False)  # the run's start verifies the checksums too
+        check_cache(cfg, checksums=checksums and cfg.data.features_verify == "checksums")
 
 
-def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
+def load_config(path: str | Path, check_target: bool = True, checksums: bool = False) -> TrainConfig:
     """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
-    `check_target` also checks it against this machine: the target and the data on disk, the
-    visible GPUs."""
+    `check_target` also checks it against this machine: the target and the data (with `checksums`,
+    a feature cache's shards' checksums) on disk, the visible GPUs."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -460,7 +460,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     cfg = config_from_dict(raw)
     if check_target:
         check_against_target(cfg)
-        check_data(cfg)
+        check_data(cfg, checksums)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
     return cfg
 
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                                '"data.batch_size", "message": "expected int, got \'four\'"} (exit 2)')
     args = parser.parse_args(argv)
     try:
-        load_config(args.config, check_target=not args.no_target_check)
+        load_config(args.config, check_target=not args.no_target_check, checksums=True)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key,

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from dflash.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
 from dflash.capture import main as capture_main
 from dflash.config import ConfigError, config_from_dict
+from dflash.config import main as config_main
 from dflash.data import collate, load_examples
 from dflash.feature_cache import MANIFEST, PLAN, check_cache
 from dflash.runtime import StopSignal
@@ -253,3 +254,18 @@ def test_two_replicas_write_the_shards_one_writes(tiny_config, tmp_path):
     assert {e["replica"] for e in log.events if e["event"] == "shard"} == {0, 1}
     one, two = ((tmp_path / name / MANIFEST).read_text() for name in ("one", "two"))
     assert json.loads(one)["shards"] == json.loads(two)["shards"]
+
+
+def test_validate_refuses_a_corrupt_cache_before_a_deploy_stops_anything(cached, tmp_path, capsys):
+    cfg, out = cached()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert config_main(["validate", "--json", str(config)]) == 0
+    capsys.readouterr()
+    corrupt(out / "shard-00000.safetensors")
+    assert config_main(["validate", "--json", str(config)]) == 2
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["key"] == "data.features_path" and "shard-00000.safetensors is corrupt" in verdict["message"]
+    sizes_only = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "features_verify": "sizes"}}
+    config.write_text(json.dumps(sizes_only))
+    assert config_main(["validate", str(config)]) == 0, "sizes only: the damage goes unseen, as documented"
