@@ -27,6 +27,7 @@ import json
 import os
 import queue
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -52,8 +53,10 @@ from dflash.feature_cache import (
 from dflash.runtime import EventLog, StopSignal, ensure_dir
 from dflash.target import load_target, target_hidden_states
 
-# A test knob: the free bytes the disk-space check sees instead of the file system's.
+# Test knobs: the free bytes the disk-space check sees instead of the file system's; seconds a replica
+# pauses after each shard (cut short by a stop), so that a test's stop lands between two shards.
 FREE_BYTES_ENV = "DFLASH_TEST_FREE_BYTES"
+SHARD_DELAY_ENV = "DFLASH_TEST_SHARD_DELAY_S"
 DEFAULT_SHARD_MB = 512
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -144,6 +147,48 @@ def prepare(cfg: TrainConfig, out: Path, plan: dict, free: int | None) -> list[s
     return [s["name"] for s in todo]
 
 
+class BackgroundWriter:
+    """Writes and hashes the parts of a file on a thread (hashlib and file writes release the GIL),
+    at most two parts behind the caller, so that the target computes while the last batch is written."""
+
+    def __init__(self, f):
+        self.f, self.digest, self.error = f, hashlib.sha256(), None
+        self.parts: queue.Queue = queue.Queue(maxsize=2)
+        self.thread = threading.Thread(target=self._write, name="shard-writer", daemon=True)
+        self.thread.start()
+
+    def _write(self) -> None:
+        while (part := self.parts.get()) is not None:
+            if self.error is None:
+                try:
+                    data = part if isinstance(part, bytes) else _bytes(part)
+                    self.f.write(data)
+                    self.digest.update(data)
+                except BaseException as exc:  # raised by close(); the rest is dropped
+                    self.error = exc
+
+    def put(self, part: bytes | torch.Tensor) -> None:
+        if self.error is not None:
+            raise self.error
+        self.parts.put(part)
+
+    def close(self) -> str:
+        """Wait for every part to be written; the file's sha256."""
+        self.parts.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
 
@@ -163,24 +208,23 @@ def write_shard(out: Path, shard: dict, plan: dict, batches: list[list[int]], ex
             torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])]
     loss_mask = torch.cat([examples[i].loss_mask for i in docs]).to(torch.uint8)
     tmp, final = out / f".{shard['name']}.tmp", out / shard["name"]
-    digest = hashlib.sha256()
     with tmp.open("wb") as f:
-        def put(data) -> None:
-            f.write(data)
-            digest.update(data)
-
-        put(prefix)
-        for tensor in head:
-            put(_bytes(tensor))
-        for batch in batches[first:end]:
-            put(_bytes(features_of(batch).cpu()))
-        put(_bytes(loss_mask))
+        sink = BackgroundWriter(f)
+        try:
+            for part in (prefix, *head):
+                sink.put(part)
+            for batch in batches[first:end]:
+                sink.put(features_of(batch).cpu())  # the next batch runs while this one is written
+            sink.put(loss_mask)
+        finally:
+            digest = sink.close()
         f.flush()
         os.fsync(f.fileno())
     if tmp.stat().st_size != max(e for _, e in ranges.values()):
         raise RuntimeError(f"{tmp}: wrote {tmp.stat().st_size} bytes, the plan says {shard['bytes']}")
     os.replace(tmp, final)
-    record = {"name": shard["name"], "sha256": digest.hexdigest(), "bytes": shard["bytes"]}
+    fsync_dir(out)  # the shard is in place before its record says so
+    record = {"name": shard["name"], "sha256": digest, "bytes": shard["bytes"]}
     write_json(out / record_name(shard["name"]), record)
     return record
 
@@ -210,6 +254,7 @@ def run_replica(replica: int, replicas: int, cfg: TrainConfig, out: Path, plan: 
         record = write_shard(out, shard, plan, batches, examples, features_of)
         report({"replica": replica, "shard": shard["name"], "tokens": shard["tokens"],
                 "seconds": round(time.perf_counter() - started, 3), "sha256": record["sha256"]})
+        stop.sleep(float(os.environ.get(SHARD_DELAY_ENV, "0")))
 
 
 def _replica_process(replica: int, replicas: int, cfg, out, plan, batches, todo, device, reports) -> None:

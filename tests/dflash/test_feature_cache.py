@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash import capture as capture_module
 from dflash.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
 from dflash.capture import main as capture_main
 from dflash.config import ConfigError, config_from_dict
@@ -265,7 +266,30 @@ def test_validate_refuses_a_corrupt_cache_before_a_deploy_stops_anything(cached,
     corrupt(out / "shard-00000.safetensors")
     assert config_main(["validate", "--json", str(config)]) == 2
     verdict = json.loads(capsys.readouterr().out)
-    assert verdict["key"] == "data.features_path" and "shard-00000.safetensors is corrupt" in verdict["message"]
+    assert verdict["key"] == "data.features_path"
+    assert "shard-00000.safetensors is corrupt" in verdict["message"]
     sizes_only = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "features_verify": "sizes"}}
     config.write_text(json.dumps(sizes_only))
     assert config_main(["validate", str(config)]) == 0, "sizes only: the damage goes unseen, as documented"
+
+
+def test_a_write_that_fails_fails_the_shard_and_the_next_capture_redoes_it(tiny_config, tmp_path,
+                                                                           monkeypatch):
+    cfg = config_from_dict(tiny_config(tmp_path / "run"))
+    out = tmp_path / "cache"
+    real_write = capture_module.BackgroundWriter._write
+
+    def no_space(data):
+        raise OSError(28, "No space left on device")
+
+    def disk_full(self):
+        self.f.write = no_space
+        real_write(self)
+
+    monkeypatch.setattr(capture_module.BackgroundWriter, "_write", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        capture(cfg, out, shard_bytes=SMALL_SHARDS, log=Log())
+    monkeypatch.undo()
+    assert list(out.glob(".shard-00000.safetensors.tmp")) and not list(out.glob("shard-*"))
+    assert capture(cfg, out, shard_bytes=SMALL_SHARDS, log=Log())["event"] == "captured"
+    assert not list(out.glob(".*.tmp"))
