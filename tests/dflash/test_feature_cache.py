@@ -119,7 +119,7 @@ def test_a_stopped_capture_resumes_by_shard_and_writes_what_one_run_writes(tiny_
     assert [e["event"] for e in log.events] == ["capture_start", "shard", "shard", "stopped"]
     assert not (out / MANIFEST).exists() and (out / PLAN).is_file()
     unfinished = config_from_dict(tiny_config(tmp_path / "run", data={"features_path": str(out)}))
-    with pytest.raises(ConfigError, match="has not finished .2 shard.s. done.: run python -m dflash.capture"):
+    with pytest.raises(ConfigError, match="has not finished .2 shard file.s. written.: run python -m dflash.capture"):
         check_cache(unfinished)
     # A kill half-way through the third shard leaves its temp file; a shard without its record is redone.
     (out / f".{expected[2]['name']}.tmp").write_bytes(b"partial")
