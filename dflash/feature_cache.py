@@ -202,8 +202,9 @@ def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
         plan = root / PLAN
-        how = (f"the capture there has not finished ({sum(1 for _ in root.glob('shard-*.json'))} shard(s) "
-               "done): run python -m dflash.capture again to finish it") if plan.is_file() else FIX
+        written = sum(1 for _ in root.glob("shard-*.safetensors"))
+        how = (f"the capture there has not finished ({written} shard file(s) written): run python -m "
+               "dflash.capture again to finish it") if plan.is_file() else FIX
         raise ConfigError(KEY, f"no {MANIFEST} in {root}: {how}")
     try:
         manifest = json.loads(path.read_text())
