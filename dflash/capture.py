@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.checkpoint import _fsync as fsync_path
 from dflash.config import ConfigError, TrainConfig, check_against_target, load_config, target_shape
 from dflash.data import BatchOrder, DataError, Example, collate, load_examples
 from dflash.feature_cache import (
@@ -181,14 +182,6 @@ class BackgroundWriter:
         return self.digest.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
 
@@ -223,7 +216,7 @@ def write_shard(out: Path, shard: dict, plan: dict, batches: list[list[int]], ex
     if tmp.stat().st_size != max(e for _, e in ranges.values()):
         raise RuntimeError(f"{tmp}: wrote {tmp.stat().st_size} bytes, the plan says {shard['bytes']}")
     os.replace(tmp, final)
-    fsync_dir(out)  # the shard is in place before its record says so
+    fsync_path(out)  # the shard is in place before its record says so
     record = {"name": shard["name"], "sha256": digest, "bytes": shard["bytes"]}
     write_json(out / record_name(shard["name"]), record)
     return record
