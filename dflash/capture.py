@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -328,7 +329,7 @@ def capture(cfg: TrainConfig, out: str | Path, replicas: int = 1, shard_bytes: i
 
 def run_spawned(replicas: int, cfg, out, plan, batches, todo, device, on_report, stop: StopSignal) -> None:
     """One process per replica (spawned: CUDA and torch threads start clean), reporting through a
-    queue; a stop here is passed on to each once."""
+    queue; a stop here is passed on to each once, a replica's failure stops the others."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -351,10 +352,17 @@ def run_spawned(replicas: int, cfg, out, plan, batches, todo, device, on_report,
                 on_report(reports.get(timeout=0.2))
             except queue.Empty:
                 pass
+    except BaseException:
+        for process in processes:  # one failed: the others stop at their next shard boundary
+            if process.is_alive():
+                process.terminate()
+        raise
     finally:
         for process in processes:
             process.join()
-    failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
+    # A replica that the stop reached before it could install its handler ended by the signal: stopped.
+    stopped_early = -signal.SIGTERM if stop.requested else None
+    failed = [r for r, p in enumerate(processes) if p.exitcode not in (0, stopped_early)]
     if failed:
         codes = [processes[r].exitcode for r in failed]
         raise RuntimeError(f"replicas {failed} failed (exit codes {codes}); their finished shards are kept, "

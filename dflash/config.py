@@ -339,10 +339,9 @@ class TrainConfig:
         targets = sum(t for _, t in self.pipeline.member_counts)
         if self.pipeline.is_multi_process and (self.data.features_path is None) == (targets == 0):
             key = "pipeline.target_gpus" if self.pipeline.device == "cuda" else "pipeline.target_workers"
-            raise ConfigError(key, f"must name no target when data.features_path is set, got {targets} "
-                              "(the drafters read the features from the cache)" if targets else
-                              "the run needs a target to compute the features, or data.features_path "
-                              "(a feature cache: python -m dflash.capture)")
+            raise ConfigError(key, "must name no target with data.features_path (the drafters read the "
+                              f"cache), got {targets}" if targets else "names no target: the features need "
+                              "one, or data.features_path (a feature cache: python -m dflash.capture)")
 
     @property
     def gamma(self) -> float:
@@ -495,5 +494,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the imported module's main: its ConfigError is dflash.feature_cache's
+    from dflash.config import main as module_main
+    sys.exit(module_main())
