@@ -11,9 +11,10 @@ seq_len real tokens), the same batches everywhere:
   on a thread), their losses checked equal;
 - the capture (`dflash.capture.capture` into a fresh directory): tokens/s over the time its
   replica spent on shards (target forward, packing and writing; the target's load left out);
-- training runs, `python -m dflash.train`, interleaved, fastest of each: online (the target and
-  the drafter take turns in one process) and from the cache (no target), steady-state rates from
-  their step events (`benchmarks.pipeline.steady_rate`);
+- training runs, `python -m dflash.train`, interleaved, fastest of each: in one process, online
+  (the target and the drafter take turns) and from the cache (no target); as a pipeline, online
+  (1 target worker feeding 1 drafter worker) and from the cache (1 drafter worker, no target);
+  steady-state rates from their step events (`benchmarks.pipeline.steady_rate`);
 - bytes per token on disk: the capture's shards over its tokens, and one shard written at
   Qwen3-8B's shape (k = 5 layers of H = 4096, bfloat16: synthetic features of `--qwen-tokens`
   tokens), each against the floor k * H * dtype bytes; and what a default-size shard (512 MiB)
@@ -130,6 +131,17 @@ def qwen_shard(work: Path, n_tokens: int) -> tuple[int, int]:
     return (work / shard["name"]).stat().st_size, n_tokens
 
 
+def from_cache_config(work: Path, online_config: Path, name: str, pipeline: dict) -> Path:
+    """The online config's run reading the cache in work/cache, with `pipeline` on top."""
+    raw = yaml.safe_load(online_config.read_text())
+    raw["data"]["features_path"] = str(work / "cache")
+    raw["run"]["output_dir"] = str(work / f"run-{name}")
+    raw["pipeline"].update(pipeline)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.feature_cache",
                                      description=__doc__.splitlines()[0])
@@ -159,17 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         capture_rate = summary["tokens"] / shard_seconds
         disk = sum(p.stat().st_size for p in (work / "cache").glob("shard-*"))
         rates = stage_rates(online_config, work / "cache", args.stage_batches, args.repeats)
-        raw = yaml.safe_load(online_config.read_text())
-        raw["data"]["features_path"] = str(work / "cache")
-        raw["run"]["output_dir"] = str(work / "run-cache")
-        cached_config = work / "cached.yaml"
-        cached_config.write_text(yaml.safe_dump(raw))
+        configs = {"online": online_config, "online_pipeline": work / "pipeline.yaml",
+                   "cache": from_cache_config(work, online_config, "cache", {}),
+                   "cache_pipeline": from_cache_config(work, online_config, "cache-pipeline",
+                                                       {"target_workers": 0, "drafter_workers": 1})}
         tokens_per_step = args.batch_size * args.seq_len
-        runs: dict[str, list[dict]] = {"online": [], "cache": []}
-        for _ in range(args.repeats):
-            runs["online"].append(run_training(online_config, tokens_per_step, args.warmup))
-            runs["cache"].append(run_training(cached_config, tokens_per_step, args.warmup))
-        online, cached = (max(runs[name], key=lambda r: r["tokens_per_s"]) for name in runs)
+        runs: dict[str, list[dict]] = {name: [] for name in configs}
+        for _ in range(args.repeats):  # interleaved, so that all face the same machine; the fastest counts
+            for name, config in configs.items():
+                runs[name].append(run_training(config, tokens_per_step, args.warmup))
+        best = {name: max(runs[name], key=lambda r: r["tokens_per_s"])["tokens_per_s"] for name in runs}
         qwen_dir = work / "qwen"
         qwen_dir.mkdir()
         qwen_bytes, qwen_tokens = qwen_shard(qwen_dir, args.qwen_tokens)
@@ -192,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         "drafter_cache_vs_memory": round(rates["cache"] / rates["memory"], 3),
         "capture_tokens_per_s": round(capture_rate, 1),
         "capture_vs_target_stage": round(capture_rate / rates["target"], 3),
-        "online_run_tokens_per_s": round(online["tokens_per_s"], 1),
-        "cache_run_tokens_per_s": round(cached["tokens_per_s"], 1),
-        "cache_run_vs_online_run": round(cached["tokens_per_s"] / online["tokens_per_s"], 3),
-        "cache_run_vs_drafter_stage": round(cached["tokens_per_s"] / rates["memory"], 3),
+        **{f"{name}_run_tokens_per_s": round(rate, 1) for name, rate in best.items()},
+        "cache_run_vs_online_run": round(best["cache"] / best["online"], 3),
+        "cache_pipeline_vs_online_pipeline": round(best["cache_pipeline"] / best["online_pipeline"], 3),
+        "cache_run_vs_drafter_stage": round(best["cache"] / rates["memory"], 3),
+        "cache_pipeline_vs_drafter_stage": round(best["cache_pipeline"] / rates["memory"], 3),
         "bench_bytes_per_token": round(disk / summary["tokens"], 2), "bench_floor_bytes_per_token": floor,
         "qwen3_8b_bytes_per_token": round(qwen_bytes / qwen_tokens, 2),
         "qwen3_8b_floor_bytes_per_token": qwen_floor,
@@ -210,15 +222,19 @@ def main(argv: list[str] | None = None) -> int:
          f"{figures['drafter_cache_vs_memory']:.3f}x memory"),
         ("capture (target + packing + writing)", capture_rate,
          f"{figures['capture_vs_target_stage']:.3f}x target"),
-        ("run, online (target + drafter)", online["tokens_per_s"], ""),
-        ("run, from the cache (no target)", cached["tokens_per_s"],
+        ("run, one process, online (target + drafter)", best["online"], ""),
+        ("run, one process, from the cache", best["cache"],
          f"{figures['cache_run_vs_online_run']:.2f}x online, "
          f"{figures['cache_run_vs_drafter_stage']:.2f}x drafter"),
+        ("run, pipeline, online (1 target + 1 drafter)", best["online_pipeline"], ""),
+        ("run, pipeline, from the cache (1 drafter)", best["cache_pipeline"],
+         f"{figures['cache_pipeline_vs_online_pipeline']:.2f}x online, "
+         f"{figures['cache_pipeline_vs_drafter_stage']:.2f}x drafter"),
     ]
-    print(f"{'configuration':<42} {'tokens/s':>10}  ratio")
+    print(f"{'configuration':<46} {'tokens/s':>10}  ratio")
     print("-" * 90)
     for name, rate, note in rows:
-        print(f"{name:<42} {rate:>10.0f}  {note}")
+        print(f"{name:<46} {rate:>10.0f}  {note}")
     print(f"bytes/token on disk: {figures['bench_bytes_per_token']} here (floor {floor}); "
           f"{figures['qwen3_8b_bytes_per_token']} at Qwen3-8B's shape for a {qwen_tokens}-token shard, "
           f"{figures['qwen3_8b_default_shard_bytes_per_token']} for a {DEFAULT_SHARD_MB} MiB one "
