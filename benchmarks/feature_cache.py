@@ -5,12 +5,15 @@ Measured in one run, on the machine at hand, with the pipeline benchmark's rando
 fixed-length synthetic data (`benchmarks.pipeline.build_assets`; every step trains on batch_size x
 seq_len real tokens), the same batches everywhere:
 
-- stages, stand-alone in this process (one thread), `--repeats` times, best of each: the target's
-  forward (`target_hidden_states`); two drafters taking steps in turn, one on features held in
-  memory, the other on features read from the cache through its feed (`CacheFeed`, reading ahead
-  on a thread), their losses checked equal;
-- the capture (`dflash.capture.capture` into a fresh directory): tokens/s over the time its
-  replica spent on shards (target forward, packing and writing; the target's load left out);
+- stages, in this process (one thread), on the same batches, the paths taking each batch in turn
+  (so that all see the same machine), `--repeats` times, best of each: the target alone
+  (`target_hidden_states`); the online step (the target, then a drafter's step on its features);
+  a drafter's step on features held in memory (the drafter stage alone); a drafter's step on
+  features read from the cache through its feed (`CacheFeed`, reading ahead on a thread). The
+  three drafters' losses are checked equal;
+- the capture (`dflash.capture.capture` into a fresh directory), each followed by the target
+  alone on the capture's batches, `--repeats` times in turn: tokens/s over the time its replica
+  spent on shards (target forward, packing, writing and hashing; the target's load left out);
 - training runs, `python -m dflash.train`, interleaved, fastest of each: in one process, online
   (the target and the drafter take turns) and from the cache (no target); as a pipeline, online
   (1 target worker feeding 1 drafter worker) and from the cache (1 drafter worker, no target);
@@ -41,7 +44,7 @@ import yaml
 
 from benchmarks.pipeline import build_assets, run_training
 from dflash.cache_feed import CacheFeed, FeatureCache
-from dflash.capture import DEFAULT_SHARD_MB, capture, write_shard
+from dflash.capture import DEFAULT_SHARD_MB, capture, capture_batches, write_shard
 from dflash.config import load_config
 from dflash.data import BatchOrder, Example, collate, load_examples
 from dflash.feature_cache import shard_bytes
@@ -60,23 +63,39 @@ class QuietLog:
         self.events.append({"event": event, **fields})
 
 
-def drafter_stages(cfg, target, in_memory: list, cached) -> tuple[float, float]:
-    """Seconds of two fresh drafters' steps, one on features in memory (`in_memory`), the other on
-    those the iterator `cached` reads from the cache, taking steps in turn so that both see the same
-    machine; the first step of each is a warm-up, not timed. Their losses must be equal."""
-    trainers = []
-    for _ in range(2):
+def stages_in_turn(cfg, target, layer_ids, padded: list, cached) -> dict[str, float]:
+    """Seconds of each path over the batches `padded`, the paths taking each batch in turn so that
+    all see the same machine (the first batch is a warm-up, not timed): the target alone; the online
+    step (the target, then a drafter's step on its features); a second drafter's step on the target
+    alone's features, held in memory; a third's on those the iterator `cached` reads from the cache.
+    The three drafters start equal and must give equal losses."""
+    trainers = {}
+    for path in ("online", "memory", "cache"):
         torch.manual_seed(cfg.run.seed)
-        trainers.append(DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg))
-    seconds, losses = [0.0, 0.0], [[], []]
-    for step, memory_inputs in enumerate(in_memory):
-        for path, inputs in enumerate((memory_inputs, next(cached))):
+        trainers[path] = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
+    seconds = dict.fromkeys(("target", *trainers), 0.0)
+    losses: dict[str, list[float]] = {path: [] for path in trainers}
+
+    def online_inputs(batch):
+        k = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids)
+        return (k.features, k.cu_seqlens, k.position_ids, k.pack(batch["input_ids"]),
+                k.pack(batch["loss_mask"]))
+
+    for step, batch in enumerate(padded):
+        started = time.perf_counter()
+        in_memory = online_inputs(batch)
+        seconds["target"] += (time.perf_counter() - started) if step else 0.0
+        for path in trainers:
             started = time.perf_counter()
+            if path == "online":
+                inputs = online_inputs(batch)
+            else:
+                inputs = in_memory if path == "memory" else next(cached)
             losses[path].append(trainers[path].train_step(*inputs).loss)
             seconds[path] += (time.perf_counter() - started) if step else 0.0
-    if losses[0] != losses[1]:
+    if not losses["online"] == losses["memory"] == losses["cache"]:
         raise SystemExit("the drafter's losses from the cache differ from those on the online features")
-    return seconds[0], seconds[1]
+    return seconds
 
 
 def from_cache(cache: FeatureCache, cfg, n_batches: int):
@@ -99,19 +118,33 @@ def stage_rates(config_path: Path, cache_dir: Path, n_batches: int, repeats: int
     padded = [collate([examples[i] for i in order.next_batch()]) for _ in range(n_batches + 1)]
     cache = FeatureCache(cache_dir)
     tokens = sum(int(p["attention_mask"].sum()) for p in padded[1:])  # the timed steps'
-    best = {"target": float("inf"), "memory": float("inf"), "cache": float("inf")}
+    best = dict.fromkeys(("target", "online", "memory", "cache"), float("inf"))
     for _ in range(repeats):
-        started = time.perf_counter()
-        packed = [target_hidden_states(target, p["input_ids"], p["attention_mask"], layer_ids)
-                  for p in padded]
-        # The target's time for the same token count as the drafter's timed steps.
-        all_tokens = sum(int(p["attention_mask"].sum()) for p in padded)
-        best["target"] = min(best["target"], (time.perf_counter() - started) * tokens / all_tokens)
-        in_memory = [(k.features, k.cu_seqlens, k.position_ids, k.pack(p["input_ids"]),
-                      k.pack(p["loss_mask"])) for k, p in zip(packed, padded, strict=True)]
-        memory, cached = drafter_stages(cfg, target, in_memory, from_cache(cache, cfg, n_batches + 1))
-        best["memory"], best["cache"] = min(best["memory"], memory), min(best["cache"], cached)
+        seconds = stages_in_turn(cfg, target, layer_ids, padded, from_cache(cache, cfg, n_batches + 1))
+        best = {path: min(best[path], seconds[path]) for path in best}
     return {name: tokens / seconds for name, seconds in best.items()}
+
+
+def capture_rates(cfg, work: Path, repeats: int) -> tuple[float, float, int, int]:
+    """(capture tokens/s, target stage tokens/s, tokens, bytes on disk): captures into fresh
+    directories, each followed by the target alone on the capture's batches, `repeats` times in
+    turn, best of each. The capture's time is its replica's on the shards (target, packing, writing)."""
+    examples = load_examples(cfg.data.path, cfg.data.max_length)
+    target = load_target(cfg.model.target_path)
+    layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
+    order = capture_batches(len(examples), cfg.data.batch_size, cfg.run.seed)
+    batches = [collate([examples[i] for i in batch]) for batch in order]
+    best_capture = best_target = float("inf")
+    for attempt in range(repeats):
+        log = QuietLog()
+        summary = capture(cfg, work / f"cache-{attempt}", log=log)
+        best_capture = min(best_capture, sum(e["seconds"] for e in log.events if e["event"] == "shard"))
+        started = time.perf_counter()
+        for batch in batches:
+            target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids)
+        best_target = min(best_target, time.perf_counter() - started)
+    disk = sum(p.stat().st_size for p in (work / "cache-0").glob("shard-*"))
+    return summary["tokens"] / best_capture, summary["tokens"] / best_target, summary["tokens"], disk
 
 
 def qwen_shard(work: Path, n_tokens: int) -> tuple[int, int]:
@@ -165,11 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         online_config = build_assets(work, args)
         cfg = load_config(online_config)
-        log = QuietLog()
-        summary = capture(cfg, work / "cache", log=log)
-        shard_seconds = sum(e["seconds"] for e in log.events if e["event"] == "shard")
-        capture_rate = summary["tokens"] / shard_seconds
-        disk = sum(p.stat().st_size for p in (work / "cache").glob("shard-*"))
+        capture_rate, capture_target_rate, captured_tokens, disk = capture_rates(cfg, work, args.repeats)
+        (work / "cache-0").rename(work / "cache")
         rates = stage_rates(online_config, work / "cache", args.stage_batches, args.repeats)
         configs = {"online": online_config, "online_pipeline": work / "pipeline.yaml",
                    "cache": from_cache_config(work, online_config, "cache", {}),
@@ -201,14 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         "drafter_stage_memory_tokens_per_s": round(rates["memory"], 1),
         "drafter_stage_cache_tokens_per_s": round(rates["cache"], 1),
         "drafter_cache_vs_memory": round(rates["cache"] / rates["memory"], 3),
+        "online_step_tokens_per_s": round(rates["online"], 1),
+        "drafter_cache_vs_online_step": round(rates["cache"] / rates["online"], 3),
         "capture_tokens_per_s": round(capture_rate, 1),
-        "capture_vs_target_stage": round(capture_rate / rates["target"], 3),
+        "capture_target_stage_tokens_per_s": round(capture_target_rate, 1),
+        "capture_vs_target_stage": round(capture_rate / capture_target_rate, 3),
         **{f"{name}_run_tokens_per_s": round(rate, 1) for name, rate in best.items()},
         "cache_run_vs_online_run": round(best["cache"] / best["online"], 3),
         "cache_pipeline_vs_online_pipeline": round(best["cache_pipeline"] / best["online_pipeline"], 3),
         "cache_run_vs_drafter_stage": round(best["cache"] / rates["memory"], 3),
         "cache_pipeline_vs_drafter_stage": round(best["cache_pipeline"] / rates["memory"], 3),
-        "bench_bytes_per_token": round(disk / summary["tokens"], 2), "bench_floor_bytes_per_token": floor,
+        "bench_bytes_per_token": round(disk / captured_tokens, 2), "bench_floor_bytes_per_token": floor,
         "qwen3_8b_bytes_per_token": round(qwen_bytes / qwen_tokens, 2),
         "qwen3_8b_floor_bytes_per_token": qwen_floor,
         "qwen3_8b_default_shard_bytes_per_token": round(default_per_token, 3),
@@ -219,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         ("target stage alone", rates["target"], ""),
         ("drafter stage, features in memory", rates["memory"], ""),
         ("drafter stage, features from the cache", rates["cache"],
-         f"{figures['drafter_cache_vs_memory']:.3f}x memory"),
+         f"{figures['drafter_cache_vs_memory']:.3f}x memory, "
+         f"{figures['drafter_cache_vs_online_step']:.2f}x online step"),
+        ("online step (target, then drafter)", rates["online"], ""),
+        ("target stage alone, the capture's batches", capture_target_rate, ""),
         ("capture (target + packing + writing)", capture_rate,
          f"{figures['capture_vs_target_stage']:.3f}x target"),
         ("run, one process, online (target + drafter)", best["online"], ""),
