@@ -16,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("hidden_states", "target_capture", "attention", "drafter_rank", "pipeline", "members",
-         "restart_cycle", "fleet", "drafter_step")
+         "restart_cycle", "fleet", "drafter_step", "feature_cache")
 
 
 def run_one(name: str, extra: list[str]) -> dict:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from dflash.config import ConfigError, PipelineConfig, TrainConfig
 from dflash.devices import visible_devices
+from dflash.feature_cache import check_cache
 from dflash.ranks import first_rank, rank_table
 from dflash.status import LAUNCHER, RunStatus, StatusLog
 from dflash.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
@@ -353,6 +354,8 @@ def launch(cfg: TrainConfig, config_path: str) -> int:
     try:
         if not Path(cfg.data.path).is_file():
             raise ConfigError("data.path", f"no data file at {cfg.data.path}")
+        if cfg.data.features_path is not None:  # once per launch: torchrun's restarts do not hash it again
+            check_cache(cfg, checksums=cfg.data.features_verify == "checksums")
         launcher = Launcher(cfg, config_path)
     except ConfigError as exc:
         print(f"invalid config {config_path}: {exc}", file=sys.stderr)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.rendezvous import rendezvous
 
+from dflash.cache_feed import cache_feed
 from dflash.checkpoint import list_checkpoints
 from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
 from dflash.data import BatchOrder, DataError, load_examples
@@ -212,8 +213,9 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: 
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0])
     n = schedule.num_drafters
-    feed = BatchFeed(schedule, ctx.role_rank, first_step * n, run_end_step(cfg, first_step) * n,
-                     cfg.pipeline.queue_depth, device)
+    first, end = first_step * n, run_end_step(cfg, first_step) * n
+    feed = (cache_feed(cfg, run.order, first, end, ctx.role_rank, n) if cfg.data.features_path
+            else BatchFeed(schedule, ctx.role_rank, first, end, cfg.pipeline.queue_depth, device))
     try:
         reason = run.run(FedBatches(feed, run, drafters, ctx), stop)
     except BaseException:

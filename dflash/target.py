@@ -17,26 +17,11 @@ from torch import nn
 from dflash.data import Example, collate
 from dflash.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
-# Where the trainer has always found it; the rules live in dflash.mask_token.
+# Where the trainer has always found them; the rules live in dflash.mask_token and dflash.target_layers.
 from dflash.mask_token import resolve_mask_token_id as resolve_mask_token_id
+from dflash.target_layers import build_target_layer_ids as build_target_layer_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def build_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """Target layers whose hidden states condition the drafter: one per draft layer, uniformly
-    spaced from layer 1 to layer n-3 (36 layers, 5 draft layers: 1, 9, 17, 25, 33); the middle
-    layer for a single draft layer. On shallow targets the span widens (up to layer n-1) so that
-    the ids stay distinct where the depth allows."""
-    if n_target_layers < 1 or n_draft_layers < 1:
-        raise ValueError(f"need at least one target and one draft layer, "
-                         f"got {n_target_layers} and {n_draft_layers}")
-    if n_draft_layers == 1:
-        return [n_target_layers // 2]
-    start = min(1, n_target_layers - 1)
-    end = min(n_target_layers - 1, max(n_target_layers - 3, start + n_draft_layers - 1))
-    span = end - start
-    return [round(start + i * span / (n_draft_layers - 1)) for i in range(n_draft_layers)]
 
 
 def load_target(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> nn.Module:

@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from dflash.cache_feed import cached_run
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError
 from dflash.drafter_run import DrafterRun
@@ -50,6 +51,9 @@ class TargetFeatures:
         return step_features(self.target, [run.examples[i] for i in run.order.next_batch()], run.layer_ids,
                              run.cfg.model.target_rows_per_pass, run.device)
 
+    def close(self) -> None:
+        pass
+
 
 def run_single_process(cfg: TrainConfig) -> int:
     """Run the whole training in this process; return the exit code."""
@@ -57,12 +61,20 @@ def run_single_process(cfg: TrainConfig) -> int:
     log = StatusLog(cfg.optim.total_steps, RunStatus(cfg.run.output_dir, process_worker=WORKER))
     stop = StopSignal().install()
     try:
-        target = load_target(cfg.model.target_path, cfg.model.dtype, resolve_device(cfg.pipeline.device))
-        run = DrafterRun(cfg, log, TargetHead.of(target))
-        if cfg.data.eval_path is not None:
-            run.build_heldout(target)
-        run.resume()
-        reason = run.run(TargetFeatures(target, run), stop)
+        device = resolve_device(cfg.pipeline.device)
+        if cfg.data.features_path is not None:  # the target's features come from a feature cache
+            run, source = cached_run(cfg, log, device)
+        else:
+            target = load_target(cfg.model.target_path, cfg.model.dtype, device)
+            run = DrafterRun(cfg, log, TargetHead.of(target))
+            if cfg.data.eval_path is not None:
+                run.build_heldout(target)
+            run.resume()
+            source = TargetFeatures(target, run)
+        try:
+            reason = run.run(source, stop)
+        finally:
+            source.close()
         log.emit("stop", step=run.trainer.step, reason=reason)
         return EXIT_OK
     except (ConfigError, DataError, FileNotFoundError) as exc:

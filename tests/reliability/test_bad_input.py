@@ -111,6 +111,35 @@ def pct_back(fleet):
     fleet.sim.hide_on_node("pve1", [])
 
 
+FEATURES = "/root/features-bad"
+# A feature cache of CT 200's live release: its target, layers and data (the capture's own CLI).
+CAPTURE = (f"rm -rf {FEATURES} && cd /opt/dflash/current && PYTHONPATH=/opt/dflash/current "
+           f"/opt/dflash/venv/bin/python -m dflash.capture --config config.yaml --out {FEATURES} "
+           "--shard-mb 1 > /dev/null")
+PYTHON = "/opt/dflash/venv/bin/python -c "
+
+
+def cache_then(damage):
+    """A fault: a feature cache in CT 200, then `damage` (a command in the container) done to it."""
+    def fault(fleet, tmp_path):
+        fleet.ct_sh(200, CAPTURE + (f" && {damage}" if damage else ""))
+    return fault
+
+
+def cache_gone(fleet):
+    fleet.ct_sh(200, f"rm -rf {FEATURES}")
+
+
+# What a cache captured from another target says in its manifest: another fingerprint of the weights.
+OTHER_TARGET = PYTHON + shlex.quote(
+    f"import json; p = '{FEATURES}/manifest.json'; m = json.load(open(p)); "
+    "m['target']['weights_fingerprint'] = 'f' * 64; json.dump(m, open(p, 'w'))")
+# One byte near the end of the first shard flipped in place (its size unchanged).
+FLIPPED_BYTE = PYTHON + shlex.quote(
+    f"f = open('{FEATURES}/shard-00000.safetensors', 'r+b'); f.seek(-100, 2); b = f.read(1); "
+    "f.seek(-100, 2); f.write(bytes([b[0] ^ 255]))")
+FROM_CACHE = extra(dflash_release_features_path=FEATURES)
+
 RESTART = "restart_training.yml"
 CT200 = ("-l", "ct200")
 CASES = [
@@ -185,6 +214,25 @@ CASES = [
     Case("A missing training data file", RESTART,
          CT200 + ("-e", "dflash_release_data_path=/srv/data/missing.jsonl"),
          words=("data.path: no file at '/srv/data/missing.jsonl'", "Fix dflash_release_data_path")),
+    Case("A feature cache of another target", RESTART, CT200 + FROM_CACHE, cache_then(OTHER_TARGET),
+         cache_gone,
+         words=("data.features_path: /root/features-bad holds features of another target",
+                "python -m dflash.capture", "Fix dflash_release_features_path")),
+    Case("A feature cache of other layer ids", RESTART,
+         CT200 + extra(dflash_release_features_path=FEATURES,
+                       dflash_release_settings={"model": {"target_layer_ids": [0]}}),
+         cache_then(""), cache_gone,
+         words=("model.target_layer_ids: /root/features-bad holds features of target layers [1], "
+                "this run's is [0]",
+                "Fix dflash_release_settings.model.target_layer_ids")),
+    Case("A corrupt shard of a feature cache", RESTART, CT200 + FROM_CACHE, cache_then(FLIPPED_BYTE),
+         cache_gone,
+         words=("shard-00000.safetensors is corrupt: its sha256 is", "run python -m dflash.capture again",
+                "Fix dflash_release_features_path"), fast=True),
+    Case("A feature cache without its manifest", RESTART, CT200 + FROM_CACHE,
+         cache_then(f"rm {FEATURES}/manifest.json"), cache_gone,
+         words=("no manifest.json in /root/features-bad: the capture there has not finished",
+                "Fix dflash_release_features_path")),
     Case("An unwritable release directory", RESTART,
          CT200 + ("-e", "dflash_release_output_dir=/var/lib/dflash/runs/b"),
          read_only_releases,
