@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # so more workers than cores; each test file stays on one worker, in order (--dist loadfile).
 TEST_WORKERS ?= 4
 
-.PHONY: help setup peer-suites compat-venv test test-reliability lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -39,6 +39,12 @@ peer-suites: setup ## Fetch the connection test suites of ansible-core and commu
 # (tests/dflash/test_export_compat.py reloads an export under it; it skips while this venv is missing).
 compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export tests (silent when there).
 	@python3 scripts/compat_venv.py
+
+# vLLM's CPU build beside torch 2.13.0 (about 3.5 GB, minutes to install the first time), then vLLM serves
+# the tiny demo target with an exported drafter (tests/serving/test_vllm_serve.py). Heavy: not in make test.
+serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export served by vLLM (heavy).
+	@python3 scripts/serve_venv.py
+	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
 
 test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

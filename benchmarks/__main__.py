@@ -4,7 +4,8 @@ Each benchmark is a script that prints a human table and, as its last line, one 
 its figures. This runner starts each in its own process (so one's memory and threads cannot skew
 another's), streams its output, keeps the JSON line in `benchmarks/results/<name>.json`, and ends
 with each benchmark's wall time and the total (BENCHMARKS.md has the last figures).
-Larger or smaller sizes: run a script alone with the flags of its `--help`.
+Larger or smaller sizes: run a script alone with the flags of its `--help`. Two run only alone, for
+what they need: `benchmarks.gpu_check` a CUDA GPU, `benchmarks.serve` vLLM's venv (`make serve-check`).
 """
 
 import argparse

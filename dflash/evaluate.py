@@ -10,7 +10,9 @@ per proposer:
   after the first (which the prompt's own forward pass gives);
 - the per-position acceptance rate: for draft position k, the fraction of verify steps whose first
   k drafted tokens were all accepted;
-- the verify-step count (target forward passes after the prompt's).
+- the verify-step count (target forward passes after the prompt's);
+- the accepted drafts per position as counts, before the budget's or the end of text's cut: what
+  an engine's counters give (vLLM's accepted tokens per position), for a side-by-side check.
 
 Reference rows, on the same prompts: the untrained drafter (same seed, no training), prompt lookup
 (`dflash.baselines`: copy what followed the last earlier match of the latest n-gram; no training,
@@ -56,6 +58,9 @@ class AcceptanceStats:
     block_size: int
     lengths: list[int] = field(default_factory=list)  # tokens gained per verify step (1..b)
     generated_tokens: int = 0
+    # Drafts the target accepted at each verify step, before the budget's or the end of text's cut:
+    # what an engine's counters count (vLLM's accepted tokens per draft position).
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def verify_steps(self) -> int:
@@ -70,10 +75,15 @@ class AcceptanceStats:
         steps = max(1, len(self.lengths))
         return [sum(1 for n in self.lengths if n - 1 >= k) / steps for k in range(1, self.block_size)]
 
+    def accepted_by_position(self) -> list[int]:
+        """For draft positions 1..b-1: how many steps accepted at least that many drafts, uncut."""
+        return [sum(1 for n in self.accepted if n >= k) for k in range(1, self.block_size)]
+
     def as_dict(self) -> dict:
         return {"name": self.name, "tau": round(self.tau, 4), "verify_steps": self.verify_steps,
                 "generated_tokens": self.generated_tokens,
-                "acceptance_by_position": [round(r, 4) for r in self.acceptance_by_position()]}
+                "acceptance_by_position": [round(r, 4) for r in self.acceptance_by_position()],
+                "accepted_by_position": self.accepted_by_position()}
 
 
 def _target_forward(target: nn.Module, tokens: list[int], layer_ids: list[int]):
@@ -102,6 +112,7 @@ def speculative_decode(target: nn.Module, propose: Proposer, prompt: list[int], 
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
             accepted += 1
+        stats.accepted.append(accepted)
         gained = drafts[:accepted] + [verified[accepted]]
         # Only what the output keeps counts: nothing past the token budget or an end of text.
         gained = gained[: max_new_tokens - len(generated)]
@@ -111,6 +122,12 @@ def speculative_decode(target: nn.Module, propose: Proposer, prompt: list[int], 
         generated += gained
     stats.generated_tokens += len(generated)
     return generated
+
+
+def end_of_text_id(target: nn.Module) -> int | None:
+    """The token that ends the target's generation (the first of its generation config's), if any."""
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    return eos[0] if isinstance(eos, list) else eos
 
 
 def drafter_proposer(drafter: DFlashDrafter) -> Proposer:
@@ -168,8 +185,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     target = load_target(cfg.model.target_path, cfg.model.dtype)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
     block_size = cfg.model.block_size
-    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = end_of_text_id(target)
     prompts = eval_prompts(data_path, cfg.data.max_length, num_prompts)
 
     torch.manual_seed(cfg.run.seed)

@@ -66,6 +66,9 @@ def test_decoding_equals_greedy_whatever_the_drafts(demo_target):
         assert hopeless.tau == 1.0 and hopeless.verify_steps == max_new - 1
         assert perfect.acceptance_by_position() == [0.75] * (block - 1)
         assert hopeless.acceptance_by_position() == [0.0] * (block - 1)
+        # An engine counts the last step's drafts before the cut: all of them accepted.
+        assert perfect.accepted == [block - 1] * 4 and perfect.accepted_by_position() == [4] * (block - 1)
+        assert hopeless.accepted_by_position() == [0] * (block - 1)
 
 
 @pytest.mark.slow
