@@ -25,6 +25,7 @@ from torch import nn
 from dflash.config import ConfigError
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
+from dflash.safe_paths import check_directory
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
@@ -51,9 +52,10 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
+    # A symbolic link is never a checkpoint: the run wrote none, and it could name anything.
     found = [p for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and all((p / name).is_file() for name in CHECKPOINT_FILES)]
+             if p.is_dir() and not p.is_symlink() and p.name.startswith(_PREFIX)
+             and p.name[len(_PREFIX):].isdigit() and all((p / name).is_file() for name in CHECKPOINT_FILES)]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -64,10 +66,13 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 def remove_partial_saves(output_dir: str | Path) -> None:
     """Delete temp dirs left by a save that a kill interrupted. A complete checkpoint that a kill
-    caught after it was moved aside and before its replacement was renamed in goes back in place."""
+    caught after it was moved aside and before its replacement was renamed in goes back in place.
+    Called before a run resumes: a checkpoint directory that is a symbolic link or another user's
+    raises UnsafePath (nothing is deleted, nothing resumed from there)."""
     root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
+    if not os.path.lexists(root):
         return
+    check_directory(root)
     for p in sorted(root.iterdir()):
         if not p.name.startswith(_TMP_PREFIX):
             continue

@@ -20,6 +20,7 @@ import yaml
 
 from dflash.devices import visible_devices
 from dflash.mask_token import mask_token_problem
+from dflash.safe_paths import output_dir_problem
 
 DTYPES = ("float32", "bfloat16")
 # model.loss_chunk_size's default: at Qwen3-8B's vocabulary a chunk's logits and their gradient
@@ -426,6 +427,15 @@ def check_data(cfg: TrainConfig) -> None:
             raise ConfigError(f"data.{key}", f"{what} at {value!r} (expected a JSON-lines file)")
 
 
+def check_output_dir(cfg: TrainConfig) -> None:
+    """The run can write its outputs where the config says: no symbolic link, no other user's directory."""
+    # checkpoint.CHECKPOINT_DIR and telemetry.TENSORBOARD_DIR (both import torch, which config does not).
+    problem = output_dir_problem(cfg.run.output_dir, ("checkpoints", "tensorboard"))
+    if problem:
+        raise ConfigError("run.output_dir", f"{problem}: the run would write where another user (or the "
+                          "link) chose; remove it or point run.output_dir elsewhere")
+
+
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
     `check_target` also checks it against this machine: the target and the data on disk, the
@@ -441,6 +451,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     if check_target:
         check_against_target(cfg)
         check_data(cfg)
+        check_output_dir(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
     return cfg
 

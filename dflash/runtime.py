@@ -7,7 +7,8 @@
   while the checkpoint is being written only sets the flag again, so it cannot corrupt the save.
 - `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
   (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
-  stricter umask removes), so no other user can change a run's state or its checkpoints.
+  stricter umask removes), so no other user can change a run's state or its checkpoints; and nothing
+  is written through a symbolic link or in another user's directory (`dflash.safe_paths`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+from dflash.safe_paths import check_directory, open_file
 
 STATES = ("starting", "running", "stopping", "stopped", "failed")
 DIR_MODE, FILE_MODE = 0o755, 0o644
@@ -45,9 +48,9 @@ def output_mode(mode: int) -> int:
 
 
 def ensure_dir(path: str | Path) -> Path:
-    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` that
-    this user owns loses group and other write permission: a run's output directory made
-    world-writable by hand or by a umask of 000 does not stay so."""
+    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` loses group
+    and other write permission: a run's output directory made world-writable by hand or by a umask
+    of 000 does not stay so. One that is a symbolic link or another user's raises UnsafePath."""
     path = Path(path)
     missing = []
     parent = path
@@ -59,15 +62,15 @@ def ensure_dir(path: str | Path) -> Path:
             os.mkdir(directory, output_mode(DIR_MODE))
         except FileExistsError:
             pass
-    info = path.stat()
-    if info.st_mode & _OTHERS_WRITE and info.st_uid == os.geteuid():
+    info = check_directory(path).stat()  # never through a symbolic link, never another user's
+    if info.st_mode & _OTHERS_WRITE:
         os.chmod(path, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
     return path
 
 
 def write_file(path: str | Path, text: str) -> None:
     """Write `text` to `path` with FILE_MODE less the umask, even when the file existed before."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), output_mode(FILE_MODE))
         f.write(text)

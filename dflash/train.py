@@ -33,6 +33,7 @@ from dflash.config import ConfigError, TrainConfig, dump_config, load_config
 from dflash.data import BatchOrder, DataError, collate, load_examples
 from dflash.heldout import HeldOutEvaluator
 from dflash.runtime import EventLog, StatusFile, StopSignal
+from dflash.safe_paths import UnsafePath
 from dflash.target import TargetHead, load_target, target_hidden_states
 from dflash.telemetry import IntervalMeter, RunTelemetry
 from dflash.training import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
@@ -216,7 +217,7 @@ def run_single_process(cfg: TrainConfig) -> int:
         status.update(state="stopped", step=run.trainer.step)
         log.emit("stop", step=run.trainer.step, reason=reason)
         return EXIT_OK
-    except (ConfigError, DataError, FileNotFoundError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, UnsafePath) as exc:
         worker["state"] = "failed"
         status.update(state="failed", error=str(exc))
         log.emit("error", message=str(exc))
