@@ -12,6 +12,7 @@ less what the umask removes), whatever the umask the run was started with.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -101,10 +102,39 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     trainer_state: dict, config_yaml: str, meta: dict, keep: int) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path."""
+    """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path. A save
+    that fails (OSError: a full disk) removes what it wrote and raises; the earlier checkpoints stay."""
     root = ensure_dir(Path(output_dir) / CHECKPOINT_DIR)
-    final = root / checkpoint_name(step)
     tmp = root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
+    try:
+        final = _write_checkpoint(root, tmp, step, model_state, trainer_state, config_yaml, meta)
+    except Exception as exc:
+        full = _disk_full(root)
+        shutil.rmtree(tmp, ignore_errors=True)  # its space back, for the run to go on
+        if isinstance(exc, OSError):
+            raise
+        if full:  # torch and safetensors report a failed write in words of their own
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
+        raise
+    for stale in list_checkpoints(output_dir)[:-keep]:
+        doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
+        stale.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return final
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the filesystem of `path` has (almost) no room left: why a save failed half-way."""
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < 2**20
+
+
+def _write_checkpoint(root: Path, tmp: Path, step: int, model_state: dict[str, torch.Tensor],
+                      trainer_state: dict, config_yaml: str, meta: dict) -> Path:
+    final = root / checkpoint_name(step)
     shutil.rmtree(tmp, ignore_errors=True)
     # Private while it is written: no other user can open a file in it before its mode is final.
     tmp.mkdir(mode=0o700)
@@ -126,10 +156,6 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     else:
         tmp.rename(final)
     _fsync(root)
-    for stale in list_checkpoints(output_dir)[:-keep]:
-        doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
-        stale.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

@@ -194,12 +194,14 @@ class Launcher:
             self.devices = visible_devices()
         self.specs = plan_workers(self.cfg.pipeline, len(self.devices))
         self.status = StatusFile(self.cfg.run.output_dir)
-        self.log = EventLog(self.cfg.optim.total_steps)
         self.lock = threading.RLock()
+        self.log = EventLog(self.cfg.optim.total_steps,
+                            on_log_error=lambda error: self.update_status(log_error=error))
         self.workers: dict[str, WorkerState] = {}  # the current attempt's workers, by name
         self.attempt = 0  # torchrun's restart count
         self.stop_requested = False
         self.stop_forwarded = False
+        self.stop_reason = "completed"  # what the drafters said when they stopped (status.json's stop_reason)
         self.last_failure: str | None = None
         # The attempt's first worker to report an error of its own: the cause when the others then fail
         # (a lost peer). torchrun names the earliest failure it sees, by a timestamp in whole seconds,
@@ -225,8 +227,7 @@ class Launcher:
         except ValueError:
             record = None
         with self.lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            self.log.write_line(line)  # a full log loses the line, not this reader (the workers would block)
             if isinstance(record, dict) and "event" in record:
                 self._on_event(record)
 
@@ -247,12 +248,17 @@ class Launcher:
             self.update_status(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
         elif event in ("checkpoint", "resume"):
             path = record.get("path") or record.get("checkpoint")
-            self.update_status(step=record.get("step"), last_checkpoint=path)
+            self.update_status(step=record.get("step"), last_checkpoint=path,
+                               **({"checkpoint_error": None} if event == "checkpoint" else {}))
+        elif event == "checkpoint_failed":
+            self.update_status(checkpoint_error=record.get("message"))
         elif event == "error" and worker is not None:
             worker.error = record.get("message")
             self.first_error = self.first_error or worker
         elif event == "stop" and worker is not None:
             worker.state = "stopped"
+            if worker.spec.role == "drafter":
+                self.stop_reason = record.get("reason") or self.stop_reason
             self.update_status()
             if worker.spec.role == "drafter":
                 # The drafters have checkpointed and stop: the targets must stop feeding them.
@@ -280,8 +286,7 @@ class Launcher:
     def _on_stderr(self, line: str) -> None:
         with self.lock:
             self.stderr_tail.append(line)
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
+            self.log.write_line(line, stream=sys.stderr)
             match = _TORCHRUN_FAILURE.search(line)
             if match:
                 code, local_rank, pid = (int(g) for g in match.groups())
@@ -358,7 +363,8 @@ class Launcher:
         exited = [w for w in self.workers.values() if w.state == "exited"]
         clean = len(exited) == len(self.specs)
         if code == 0 or (self.stop_requested and clean):
-            self.update_status(state="stopped")
+            self.update_status(state="stopped", stop_reason="signal SIGTERM" if self.stop_requested
+                               else self.stop_reason)
             self.emit("exit", returncode=0, restarts=self.attempt)
             return 0
         last_line = next((line for line in reversed(self.stderr_tail) if line.strip()), "no error output")

@@ -86,7 +86,8 @@ class StatusFile:
         self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
                        "heldout_loss": None, "heldout_tau": None, "last_checkpoint": None,
-                       "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {}}
+                       "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {},
+                       "checkpoint_error": None, "log_error": None, "stop_reason": None}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)
@@ -102,19 +103,55 @@ class StatusFile:
 
 
 class EventLog:
-    def __init__(self, total_steps: int, stream=None, progress_stream=None):
+    """JSON lines on `stream` (the run's log). A log that cannot be written (its disk is full) costs
+    lines, never the run: `on_log_error(message)` hears of the first lost line, `on_log_error(None)`
+    once lines get through again, and a `log_resumed` line then says how many were lost."""
+
+    def __init__(self, total_steps: int, stream=None, progress_stream=None, on_log_error=None):
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
         progress = progress_stream or sys.stderr
         self.progress = progress if progress.isatty() else None
         self._first_shown: tuple[int, float] | None = None
+        self.on_log_error = on_log_error or (lambda message: None)
+        self.lost_lines = 0
 
     def emit(self, event: str, **fields) -> None:
         record = {"event": event, "time": round(time.time(), 3), **{k: _finite(v) for k, v in fields.items()}}
         if self.progress is not None and event != "step":
             self.progress.write("\n")
-        self.stream.write(json.dumps(record) + "\n")
-        self.stream.flush()
+        self.write_line(json.dumps(record))
+
+    def write_line(self, line: str, stream=None) -> None:
+        """Write `line` at once; a failed write (ENOSPC, EIO) loses the line, and is reported. A file goes
+        straight to its descriptor: a buffer would keep the lost lines and write them out of turn later."""
+        stream = stream or self.stream
+        if self.lost_lines:  # the newline ends a line the full disk cut short
+            line = "\n" + json.dumps({"event": "log_resumed", "time": round(time.time(), 3),
+                                      "lost_lines": self.lost_lines}) + "\n" + line
+        try:
+            try:
+                fd = stream.fileno()
+            except (AttributeError, OSError, ValueError):  # not a file (a test's buffer)
+                fd = None
+            if fd is None:
+                stream.write(line + "\n")
+                stream.flush()
+            else:
+                stream.flush()  # what print() left in the buffer goes first
+                data = (line + "\n").encode()
+                while data:
+                    data = data[os.write(fd, data):]
+        except OSError as exc:
+            self.lost_lines += 1
+            if self.lost_lines == 1:
+                stamp = datetime.now(UTC).isoformat(timespec="seconds")
+                self.on_log_error(f"the log cannot be written since {stamp} ({exc.strerror or exc}): its "
+                                  f"lines are lost until it can, and training goes on")
+            return
+        if self.lost_lines:
+            self.lost_lines = 0
+            self.on_log_error(None)
 
     def show_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """`[####....] step/total loss tok/s ETA` on a terminal; the ETA extrapolates the pace of

@@ -123,10 +123,19 @@ class DrafterRun:
                 "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype}
         state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(),
                  "rng": self.random_states()}
-        path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
-                               dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+        try:
+            path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
+                                   dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+        except OSError as exc:  # a full disk: the run goes on, and says so
+            last = latest_checkpoint(self.output_dir)
+            message = (f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
+                       f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
+                       f"{last.name if last else 'none'}; the next save tries again")
+            self.status.update(checkpoint_error=message)
+            self.log.emit("checkpoint_failed", step=step, message=message)
+            return
         self.last_saved_step = step
-        self.status.update(last_checkpoint=str(path))
+        self.status.update(last_checkpoint=str(path), checkpoint_error=None)
         self.log.emit("checkpoint", step=step, path=str(path))
 
     def train_one_step(self) -> StepResult:
@@ -205,7 +214,7 @@ def run_single_process(cfg: TrainConfig) -> int:
     torch.set_num_threads(cfg.pipeline.threads_per_worker)
     worker = {"state": "starting", "pid": os.getpid(), "gpus": []}
     status = StatusFile(cfg.run.output_dir, workers={"trainer": worker})
-    log = EventLog(cfg.optim.total_steps)
+    log = EventLog(cfg.optim.total_steps, on_log_error=lambda message: status.update(log_error=message))
     stop = StopSignal().install()
     try:
         status.update(state="starting")
@@ -214,7 +223,7 @@ def run_single_process(cfg: TrainConfig) -> int:
         worker["state"] = "running"
         reason = run.run()
         worker["state"] = "stopped"
-        status.update(state="stopped", step=run.trainer.step)
+        status.update(state="stopped", step=run.trainer.step, stop_reason=reason)
         log.emit("stop", step=run.trainer.step, reason=reason)
         return EXIT_OK
     except (ConfigError, DataError, FileNotFoundError, UnsafePath) as exc:

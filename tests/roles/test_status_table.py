@@ -57,3 +57,13 @@ def test_a_run_without_a_checkpoint_or_a_report():
     assert lines[1].split()[3] == "died" and lines[1].split()[9] == "-"
     hostvars_without_report = render({})
     assert hostvars_without_report[1].split()[3] == "unreachable"
+
+
+def test_a_run_that_lives_with_a_full_disk_shows_what_it_could_not_write():
+    progress = {"state": "running", "step": 40, "last_checkpoint": "/runs/main/checkpoints/step-00000020",
+                "checkpoint_error": "checkpoint step 40 could not be written (No space left on device)",
+                "log_error": "the log cannot be written since 2026-01-01T00:00:00+00:00 (No space left on device)"}
+    lines = [line.strip() for line in render(report("running", False, progress))]
+    assert lines[1].split()[3] == "running" and lines[1].split()[9] == "20"
+    assert lines[2:] == [f"checkpoint: {progress['checkpoint_error']}", f"log error: {progress['log_error']}"]
+
