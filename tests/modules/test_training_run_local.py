@@ -411,7 +411,8 @@ def test_a_symlinked_log_is_refused_and_nothing_is_started_or_stopped(run, tmp_p
     assert target.read_text() == "important = yes\n"  # nothing was appended through the link
     status, rc = run.call(state="status")
     assert rc == 0 and status["status"] == "stopped"
-    assert "symbolic link" in status["log_unsafe"] and str(run.log) in status["log_unsafe"]  # what roles check
+    # What the role checks before it stops a run.
+    assert "symbolic link" in status["log_unsafe"] and str(run.log) in status["log_unsafe"]
 
 
 @pytest.mark.parametrize("change, says", [("chmod 0666", "writable by other users (mode 0666)"),

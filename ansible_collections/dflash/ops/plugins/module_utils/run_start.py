@@ -165,6 +165,8 @@ def start_run(params, env):
     record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
                   argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if params.get("started_by"):  # who started it, when not a deploy (run_resume: the container's boot)
+        record["started_by"] = params["started_by"]
     # Written before the waits so that a module killed during them leaves the run findable.
     write_pidfile(params["pidfile"], record)
     alive_until = began + params["startup_wait"]
