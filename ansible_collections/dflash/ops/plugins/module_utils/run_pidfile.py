@@ -18,13 +18,12 @@ from typing import NamedTuple
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_proc import is_alive, read_stat
 
-# The pidfile is trusted by the rule every path of the run follows (re-exported for the unit tests).
-from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (  # noqa: F401
+# The pidfile is trusted by the rule every path of the run follows.
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
     UnsafePath,
     open_file,
     path_problem,
     refusal,
-    unsafe_reason,
 )
 
 

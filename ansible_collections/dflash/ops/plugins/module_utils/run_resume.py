@@ -28,7 +28,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 import time
 from datetime import datetime, timezone
 
@@ -157,14 +156,3 @@ def resume_all(directory, executable=None):
         except OSError:
             pass  # the outcome is still on stdout (the journal)
     return results
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    for result in resume_all(argv[0] if argv else "/var/lib/dflash"):
-        print(json.dumps(result, sort_keys=True), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -152,11 +152,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import (  # noqa: F401 (unit tests use them)
-    gpu_load,
-    unmet,
-    with_gpu_index,
-)
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import gpu_load, unmet
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import observe as read_gpus
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import read_text, vmid_from_cgroup
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable

@@ -17,8 +17,16 @@ import tempfile
 import zipfile
 
 PACKAGE = "ansible_collections/dflash/ops/plugins/module_utils"
-MAIN = ("from ansible_collections.dflash.ops.plugins.module_utils.run_resume import main\n"
-        "raise SystemExit(main())\n")
+# The program: every run's outcome a JSON line on stdout (the journal), the directory of the start files
+# its one argument.
+MAIN = """import json
+import sys
+
+from ansible_collections.dflash.ops.plugins.module_utils.run_resume import resume_all
+
+for result in resume_all(sys.argv[1] if len(sys.argv) > 1 else "/var/lib/dflash"):
+    print(json.dumps(result, sort_keys=True), flush=True)
+"""
 
 
 def entry(name):
