@@ -12,6 +12,7 @@ less what the umask removes), whatever the umask the run was started with.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from torch import nn
 from dflash.config import ConfigError
 from dflash.model import DFlashDrafter, DrafterConfig
 from dflash.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
+from dflash.safe_paths import check_directory
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
@@ -51,9 +53,10 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
+    # A symbolic link is never a checkpoint: the run wrote none, and it could name anything.
     found = [p for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and all((p / name).is_file() for name in CHECKPOINT_FILES)]
+             if p.is_dir() and not p.is_symlink() and p.name.startswith(_PREFIX)
+             and p.name[len(_PREFIX):].isdigit() and all((p / name).is_file() for name in CHECKPOINT_FILES)]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -120,10 +123,13 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
 
 def remove_partial_saves(output_dir: str | Path) -> None:
     """Delete temp dirs left by a save that a kill interrupted. A complete checkpoint that a kill
-    caught after it was moved aside and before its replacement was renamed in goes back in place."""
+    caught after it was moved aside and before its replacement was renamed in goes back in place.
+    Called before a run resumes: a checkpoint directory that is a symbolic link or another user's
+    raises UnsafePath (nothing is deleted, nothing resumed from there)."""
     root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
+    if not os.path.lexists(root):
         return
+    check_directory(root)
     for p in sorted(root.iterdir()):
         if not p.name.startswith(_TMP_PREFIX):
             continue
@@ -152,10 +158,39 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     trainer_state: dict, config_yaml: str, meta: dict, keep: int) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path."""
+    """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path. A save
+    that fails (OSError: a full disk) removes what it wrote and raises; the earlier checkpoints stay."""
     root = ensure_dir(Path(output_dir) / CHECKPOINT_DIR)
-    final = root / checkpoint_name(step)
     tmp = root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
+    try:
+        final = _write_checkpoint(root, tmp, step, model_state, trainer_state, config_yaml, meta)
+    except Exception as exc:
+        full = _disk_full(root)
+        shutil.rmtree(tmp, ignore_errors=True)  # its space back, for the run to go on
+        if isinstance(exc, OSError):
+            raise
+        if full:  # torch and safetensors report a failed write in words of their own
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
+        raise
+    for stale in list_checkpoints(output_dir)[:-keep]:
+        doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
+        stale.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return final
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the filesystem of `path` has (almost) no room left: why a save failed half-way."""
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < 2**20
+
+
+def _write_checkpoint(root: Path, tmp: Path, step: int, model_state: dict[str, torch.Tensor],
+                      trainer_state: dict, config_yaml: str, meta: dict) -> Path:
+    final = root / checkpoint_name(step)
     shutil.rmtree(tmp, ignore_errors=True)
     # Private while it is written: no other user can open a file in it before its mode is final.
     tmp.mkdir(mode=0o700)
@@ -177,10 +212,6 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     else:
         tmp.rename(final)
     _fsync(root)
-    for stale in list_checkpoints(output_dir)[:-keep]:
-        doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
-        stale.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

@@ -31,6 +31,7 @@ from dflash.config_sections import (  # noqa: F401 (re-exported: the config's na
 )
 from dflash.devices import visible_devices
 from dflash.mask_token import mask_token_problem
+from dflash.safe_paths import output_dir_problem
 
 
 @dataclass
@@ -157,6 +158,15 @@ def check_data(cfg: TrainConfig, checksums: bool = False) -> None:
         check_cache(cfg, checksums=checksums and cfg.data.features_verify == "checksums")
 
 
+def check_output_dir(cfg: TrainConfig) -> None:
+    """The run can write its outputs where the config says: no symbolic link, no other user's directory."""
+    # checkpoint.CHECKPOINT_DIR and telemetry.TENSORBOARD_DIR (both import torch, which config does not).
+    problem = output_dir_problem(cfg.run.output_dir, ("checkpoints", "tensorboard"))
+    if problem:
+        raise ConfigError("run.output_dir", f"{problem}: the run would write where another user (or the "
+                          "link) chose; remove it or point run.output_dir elsewhere")
+
+
 def load_config(path: str | Path, check_target: bool = True, checksums: bool = False) -> TrainConfig:
     """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
     `check_target` also checks it against this machine: the target and the data (with `checksums`,
@@ -172,6 +182,7 @@ def load_config(path: str | Path, check_target: bool = True, checksums: bool = F
     if check_target:
         check_against_target(cfg)
         check_data(cfg, checksums)
+        check_output_dir(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
     return cfg
 

@@ -63,6 +63,9 @@ class SoleDrafter:
     def gather(self, obj) -> list:
         return [obj]
 
+    def any(self, flag: bool) -> bool:
+        return flag
+
     def mean(self, result: StepResult) -> StepResult:
         return result
 
@@ -132,10 +135,24 @@ class DrafterRun:
             meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
                     "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype}
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
-            path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
-                                   dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
-            self.log.emit("checkpoint", step=step, path=str(path))
-        self.last_saved_step = step
+            try:
+                path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
+                                       dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+            except OSError as exc:  # a full disk: the run goes on, and says so
+                last = latest_checkpoint(self.output_dir)
+                self.log.emit("checkpoint_failed", step=step, message=(
+                    f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
+                    f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
+                    f"{last.name if last else 'none'}; the next save tries again"))
+                saved = False
+            else:
+                self.log.emit("checkpoint", step=step, path=str(path))
+                saved = True
+        else:
+            saved = True
+        # Every drafter agrees whether the step is saved, so that all of them (or none) save again at the end.
+        if not self.drafters.any(not saved):
+            self.last_saved_step = step
 
     def evaluate_heldout(self) -> None:
         """Held-out loss and tau of the drafter now: logged and recorded."""

@@ -207,8 +207,7 @@ class Launcher:
         except ValueError:
             record = None
         with self.lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            self.log.write_line(line)  # a full log loses the line, not this reader (the workers would block)
             if isinstance(record, dict) and "event" in record:
                 if record["event"] == "worker_start":
                     self._on_worker_start(record)  # a restart's event first, then the worker's
@@ -242,8 +241,7 @@ class Launcher:
     def _on_stderr(self, line: str) -> None:
         with self.lock:
             self.stderr_tail.append(line)
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
+            self.log.write_line(line, stream=sys.stderr)
             match = _TORCHRUN_FAILURE.search(line)
             if match:
                 code, local_rank, pid = (int(g) for g in match.groups())

@@ -7,7 +7,8 @@
   while the checkpoint is being written only sets the flag again, so it cannot corrupt the save.
 - `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
   (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
-  stricter umask removes), so no other user can change a run's state or its checkpoints.
+  stricter umask removes), so no other user can change a run's state or its checkpoints; and nothing
+  is written through a symbolic link or in another user's directory (`dflash.safe_paths`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+from dflash.safe_paths import check_directory, open_file
 
 STATES = ("starting", "running", "stopping", "stopped", "failed")
 DIR_MODE, FILE_MODE = 0o755, 0o644
@@ -45,9 +48,9 @@ def output_mode(mode: int) -> int:
 
 
 def ensure_dir(path: str | Path) -> Path:
-    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` that
-    this user owns loses group and other write permission: a run's output directory made
-    world-writable by hand or by a umask of 000 does not stay so."""
+    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` loses group
+    and other write permission: a run's output directory made world-writable by hand or by a umask
+    of 000 does not stay so. One that is a symbolic link or another user's raises UnsafePath."""
     path = Path(path)
     missing = []
     parent = path
@@ -59,15 +62,15 @@ def ensure_dir(path: str | Path) -> Path:
             os.mkdir(directory, output_mode(DIR_MODE))
         except FileExistsError:
             pass
-    info = path.stat()
-    if info.st_mode & _OTHERS_WRITE and info.st_uid == os.geteuid():
+    info = check_directory(path).stat()  # never through a symbolic link, never another user's
+    if info.st_mode & _OTHERS_WRITE:
         os.chmod(path, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
     return path
 
 
 def write_file(path: str | Path, text: str) -> None:
     """Write `text` to `path` with FILE_MODE less the umask, even when the file existed before."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), output_mode(FILE_MODE))
         f.write(text)
@@ -83,7 +86,8 @@ class StatusFile:
         self.path = ensure_dir(output_dir) / "status.json"
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
                        "heldout_loss": None, "heldout_tau": None, "last_checkpoint": None,
-                       "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {}}
+                       "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {},
+                       "checkpoint_error": None, "log_error": None, "stop_reason": None}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)
@@ -99,19 +103,55 @@ class StatusFile:
 
 
 class EventLog:
-    def __init__(self, total_steps: int, stream=None, progress_stream=None):
+    """JSON lines on `stream` (the run's log). A log that cannot be written (its disk is full) costs
+    lines, never the run: `on_log_error(message)` hears of the first lost line, `on_log_error(None)`
+    once lines get through again, and a `log_resumed` line then says how many were lost."""
+
+    def __init__(self, total_steps: int, stream=None, progress_stream=None, on_log_error=None):
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
         progress = progress_stream or sys.stderr
         self.progress = progress if progress.isatty() else None
         self._first_shown: tuple[int, float] | None = None
+        self.on_log_error = on_log_error or (lambda message: None)
+        self.lost_lines = 0
 
     def emit(self, event: str, **fields) -> None:
         record = {"event": event, "time": round(time.time(), 3), **{k: _finite(v) for k, v in fields.items()}}
         if self.progress is not None and event != "step":
             self.progress.write("\n")
-        self.stream.write(json.dumps(record) + "\n")
-        self.stream.flush()
+        self.write_line(json.dumps(record))
+
+    def write_line(self, line: str, stream=None) -> None:
+        """Write `line` at once; a failed write (ENOSPC, EIO) loses the line, and is reported. A file goes
+        straight to its descriptor: a buffer would keep the lost lines and write them out of turn later."""
+        stream = stream or self.stream
+        if self.lost_lines:  # the newline ends a line the full disk cut short
+            line = "\n" + json.dumps({"event": "log_resumed", "time": round(time.time(), 3),
+                                      "lost_lines": self.lost_lines}) + "\n" + line
+        try:
+            try:
+                fd = stream.fileno()
+            except (AttributeError, OSError, ValueError):  # not a file (a test's buffer)
+                fd = None
+            if fd is None:
+                stream.write(line + "\n")
+                stream.flush()
+            else:
+                stream.flush()  # what print() left in the buffer goes first
+                data = (line + "\n").encode()
+                while data:
+                    data = data[os.write(fd, data):]
+        except OSError as exc:
+            self.lost_lines += 1
+            if self.lost_lines == 1:
+                stamp = datetime.now(UTC).isoformat(timespec="seconds")
+                self.on_log_error(f"the log cannot be written since {stamp} ({exc.strerror or exc}): its "
+                                  f"lines are lost until it can, and training goes on")
+            return
+        if self.lost_lines:
+            self.lost_lines = 0
+            self.on_log_error(None)
 
     def show_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """`[####....] step/total loss tok/s ETA` on a terminal; the ETA extrapolates the pace of

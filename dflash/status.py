@@ -29,6 +29,8 @@ class RunStatus:
         if process_worker is not None:
             self.workers[process_worker] = {"state": "starting", "pid": os.getpid(), "gpus": []}
         self.stopping = False
+        self.stop_signal = "SIGTERM"  # the signal of the launcher's stop event, when it names one
+        self.drafters_stop_reason = "completed"  # why the drafters stopped (status.json's stop_reason)
         self.file = StatusFile(output_dir)
         self._write(state="starting")
 
@@ -65,7 +67,10 @@ class RunStatus:
         elif event == "heldout":
             self._write(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
         elif event in ("checkpoint", "resume"):
-            self._write(step=record["step"], last_checkpoint=record.get("path") or record.get("checkpoint"))
+            self._write(step=record["step"], last_checkpoint=record.get("path") or record.get("checkpoint"),
+                        **({"checkpoint_error": None} if event == "checkpoint" else {}))
+        elif event == "checkpoint_failed":
+            self._write(checkpoint_error=record.get("message"))
         elif event == "stop":
             self._on_stop(worker, own, record)
         elif event == "error" and own:
@@ -76,13 +81,19 @@ class RunStatus:
             self._write()
         elif event == "exit":
             if record.get("returncode") == 0:
-                self._write(state="stopped")
+                self._write(state="stopped", stop_reason=f"signal {self.stop_signal}" if self.stopping
+                            else self.drafters_stop_reason)
             else:
                 self._write(state="failed", error=record.get("error"))
+
+    def log_error(self, message: str | None) -> None:
+        """The log cannot be written (`message`), or can again (None)."""
+        self._write(log_error=message)
 
     def _on_stop(self, worker: str | None, own: bool, record: dict) -> None:
         if worker == LAUNCHER:  # the launcher passes a stop on to the workers
             self.stopping = True
+            self.stop_signal = record.get("signal") or self.stop_signal
             for w in self.workers.values():
                 if w["state"] in ACTIVE:
                     w["state"] = "stopping"
@@ -90,16 +101,20 @@ class RunStatus:
             return
         self._set_worker(worker, "stopped")
         if own:  # a single-process run has checkpointed and stops
-            self._write(state="stopped", step=record.get("step"))
+            self._write(state="stopped", step=record.get("step"), stop_reason=record.get("reason"))
         else:
+            if worker is not None and worker.startswith("drafter"):
+                self.drafters_stop_reason = record.get("reason") or self.drafters_stop_reason
             self._write()
 
 
 class StatusLog(EventLog):
-    """The run's log (JSON lines on stdout), with status.json following every event it emits."""
+    """The run's log (JSON lines on stdout), with status.json following every event it emits. A log
+    that cannot be written (a full disk) is said in status.json's `log_error` (cleared once lines get
+    through again): the log itself cannot say it."""
 
     def __init__(self, total_steps: int, status: RunStatus):
-        super().__init__(total_steps)
+        super().__init__(total_steps, on_log_error=status.log_error)
         self.status = status
 
     def emit(self, event: str, **fields) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from dflash.runtime import FILE_MODE, ensure_dir, output_mode
+from dflash.safe_paths import open_file
 from dflash.trainer import StepResult
 
 METRICS_FILE = "metrics.jsonl"
@@ -91,6 +93,7 @@ class RunTelemetry:
         self.warn = warn or (lambda message: None)
         self._writer = None
         self._tensorboard_missing = False
+        self._failing = False  # metrics.jsonl could not be written (a full disk): warned once
 
     @property
     def writer(self):
@@ -117,9 +120,16 @@ class RunTelemetry:
         line = json.dumps({"kind": kind, "step": step,
                            **{k: None if isinstance(v, float) and not math.isfinite(v) else v
                               for k, v in figures.items()}})
-        with path.open("a") as f:
-            f.write(line + "\n")
-        path.chmod(output_mode(FILE_MODE))
+        try:
+            with os.fdopen(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE), "a") as f:
+                os.fchmod(f.fileno(), output_mode(FILE_MODE))
+                f.write(line + "\n")
+        except OSError as exc:  # a full disk costs figures, not the run
+            if not self._failing:
+                self.warn(f"{path} cannot be written ({exc.strerror or exc}): figures are lost until it can")
+            self._failing = True
+            return
+        self._failing = False
         writer = self.writer
         if writer is None:
             return

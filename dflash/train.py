@@ -22,6 +22,7 @@ from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError
 from dflash.drafter_run import DrafterRun
 from dflash.runtime import StopSignal
+from dflash.safe_paths import UnsafePath
 from dflash.status import RunStatus, StatusLog
 from dflash.target import TargetHead, load_target, step_features
 
@@ -77,7 +78,7 @@ def run_single_process(cfg: TrainConfig) -> int:
             source.close()
         log.emit("stop", step=run.trainer.step, reason=reason)
         return EXIT_OK
-    except (ConfigError, DataError, FileNotFoundError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, UnsafePath) as exc:
         log.emit("error", message=str(exc))
         print(f"dflash.train: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -48,6 +48,10 @@ def parser():
                        help=f"the sim (default {DEFAULT_STATE_DIR})")
     p_ssh.add_argument("node", help="node name, e.g. pve1")
     p_ssh.add_argument("remote_command", nargs=argparse.REMAINDER, help="command to run on the node")
+    p_reboot = sub.add_parser("reboot", help="reboot a node: stop every container, start those with onboot")
+    p_reboot.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                          help=f"the sim (default {DEFAULT_STATE_DIR})")
+    p_reboot.add_argument("node", help="node name, e.g. pve1")
     p_status = sub.add_parser("status", help="print the nodes and containers of the sims that are up")
     p_status.add_argument("--state-dir", type=Path, help="only this sim (default: every sim that is up)")
     return p
@@ -88,6 +92,9 @@ def main(argv=None):
             argv = load(args.state_dir).ssh_argv(args.node)
             remote = args.remote_command
             os.execvp(argv[0], argv + (remote[1:] if remote[:1] == ["--"] else remote))
+        if args.command == "reboot":
+            print(load(args.state_dir).reboot_node(args.node), end="")
+            return print_status([args.state_dir])
         if args.state_dir:
             return print_status([args.state_dir])
         return print_status([d for d in host.registered_state_dirs() if (d / "sim.json").exists()])

@@ -24,7 +24,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import ansible_runner
@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 PLAYBOOKS = REPO / "playbooks"
 SIM_GROUP_VARS = REPO / "inventory" / "sim" / "group_vars"
+# The run's start file and its boot outcome in a container, less their suffixes (the dflash_run role's).
+BOOT_FILE = "/var/lib/dflash/main"
 # Shared by every test module and the molecule scenarios; `dflash.demo prepare` reuses it when current.
 ASSETS = REPO / ".cache" / "assets-tiny"
 
@@ -341,6 +343,25 @@ class Fleet:
     def wait_for_checkpoint(self, vmid, timeout=120):
         """Wait until the run has saved a checkpoint; returns status.json (raises TimeoutError)."""
         return self.wait_for_status(vmid, lambda s: s.get("last_checkpoint"), timeout, "checkpoint")
+
+    def start_container(self, vmid, timeout=180):
+        """`pct start` a stopped container and wait until its boot's dflash-resume has judged the run (a
+        run that was live when the container stopped starts again, holding the run's lock meanwhile);
+        returns that outcome, or None for a container without a run's start file."""
+        began = datetime.now(UTC).replace(microsecond=0)
+        res = self.sim.ssh(self.sim.node_of(vmid).name, f"pct start {vmid}")
+        if res.returncode != 0:
+            raise RuntimeError(f"pct start {vmid}: {res.stderr}")
+        if self.ct(vmid, f"test -f {BOOT_FILE}.boot.json").returncode != 0:
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.read(vmid, f"{BOOT_FILE}.boot-result.json")
+            outcome = json.loads(text) if text else {}
+            if outcome and datetime.fromisoformat(outcome["time"]) >= began:
+                return outcome
+            time.sleep(1)
+        raise TimeoutError(f"CT {vmid}: its boot judged no run within {timeout} s")
 
     def down(self):
         down(self.sim.state_dir)

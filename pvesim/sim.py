@@ -125,6 +125,21 @@ class Sim:
         n.sshd_pid, n.sshd_started = node.start_sshd(_node_files(self, name), n.address, n.port)
         self.save()
 
+    def reboot_node(self, name, timeout=900):
+        """A node's reboot as pve-guests.service does it: `pvesh create /nodes/localhost/stopall` (every
+        running container shut down, then stopped), the node's sshd down and up (its sessions end), then
+        `.../startall` (the containers with `onboot: 1`, by startup order). Returns their task log."""
+        said = []
+        for step in ("stopall", "startall"):
+            if step == "startall":
+                self.stop_node(name)
+                self.start_node(name)
+            res = self.ssh(name, f"pvesh --nooutput create /nodes/localhost/{step}", timeout=timeout)
+            said.append(res.stdout + res.stderr)
+            if res.returncode != 0:
+                raise SimError(f"{step} on {name} failed (exit {res.returncode}): {res.stderr.strip()}")
+        return "".join(said)
+
     def rotate_host_key(self, name):
         """Give a node a new host key (a reinstalled node, or a machine in the middle): its sshd
         restarts with it, and the known_hosts files keep the old key until `trust_host_keys()`."""

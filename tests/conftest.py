@@ -120,3 +120,22 @@ def run_ansible(sim):
         return res
 
     return run
+
+
+@pytest.fixture
+def small_filesystem():
+    """small_filesystem(path, size): a filesystem of `size` bytes (tmpfs) mounted at `path` (made if
+    missing) for this test, unmounted after it, to fill a disk without filling the machine's."""
+    mounted = []
+
+    def mount(path, size):
+        require_sim_machine()  # root
+        Path(path).mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                       check=True)
+        mounted.append(path)
+        return Path(path)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "--lazy", str(path)], check=False)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 from test_nvidia_smi import H100_APPS, H100_BUSY, H100_IDLE, PLACEHOLDER_ROWS
 
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import with_gpu_index
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import COMPUTE_APPS, GPU_LOAD
 from ansible_collections.dflash.ops.plugins.modules import gpu_verify as gv
 
 
 def snapshot(gpu_output, apps_output=""):
     gpus = GPU_LOAD.parse(gpu_output)
-    return gpus, gv.with_gpu_index(COMPUTE_APPS.parse(apps_output), gpus)
+    return gpus, with_gpu_index(COMPUTE_APPS.parse(apps_output), gpus)
 
 
 def test_processes_get_their_gpu_index():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.dflash.ops.plugins.module_utils import run_pidfile, run_proc, run_start
+from ansible_collections.dflash.ops.plugins.module_utils import run_pidfile, run_proc, run_start, safe_paths
 
 PLUGINS = Path(__file__).resolve().parents[2] / "ansible_collections" / "dflash" / "ops" / "plugins"
 
@@ -166,7 +166,7 @@ def fake_stat(mode, uid=0):
     ],
 )
 def test_unsafe_reason(file_mode, dir_mode, uid, reason):
-    found = run_pidfile.unsafe_reason(fake_stat(file_mode, uid), fake_stat(dir_mode), 0)
+    found = safe_paths.unsafe_reason(fake_stat(file_mode, uid), fake_stat(dir_mode), 0)
     assert (found is None) if reason is None else (reason in found)
 
 

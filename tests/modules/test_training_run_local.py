@@ -375,3 +375,88 @@ def test_through_ansible(run):
     assert status["status"] == "running" and status["pid"] == start["pid"]
     stop = ansible_module("training_run", run.args(state="stopped"))
     assert stop["how"] == "terminated" and not alive(start["pid"])
+
+
+def an_important_file(tmp_path):
+    """A file root owns outside the run's directories (a stand-in for one under /etc)."""
+    target = tmp_path / "etc" / "important.conf"
+    target.parent.mkdir()
+    target.write_text("important = yes\n")
+    return target
+
+
+@pytest.mark.parametrize("where", ["log", "log directory"])
+def test_a_symlinked_log_is_refused_and_nothing_is_started_or_stopped(run, tmp_path, where):
+    target = an_important_file(tmp_path)
+    command = [sys.executable, FAKE_RUN]
+    result, rc = run.call(state="started", command=command)
+    assert rc == 0, result
+    live = result["pid"]
+    run.log.unlink()
+    if where == "log":
+        run.log.symlink_to(target)
+    else:
+        run.log.parent.rmdir()
+        run.log.parent.symlink_to(target.parent)
+        target.with_name(run.log.name).write_text("root's own\n")
+    for state in ("restarted", "started"):
+        result, rc = run.call(state=state, command=command + ["--other"])
+        assert rc == 1, result
+        assert "symbolic link" in result["msg"] and str(run.log) in result["msg"], result
+        assert "nothing was signalled or started" in result["msg"], result
+        assert alive(live) and json.loads(run.pidfile.read_text())["pid"] == live
+    run.call(state="stopped")
+    result, rc = run.call(state="started", command=command)
+    assert rc == 1 and "symbolic link" in result["msg"] and not run.pidfile.exists(), result
+    assert target.read_text() == "important = yes\n"  # nothing was appended through the link
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["status"] == "stopped"
+    # What the role checks before it stops a run.
+    assert "symbolic link" in status["log_unsafe"] and str(run.log) in status["log_unsafe"]
+
+
+@pytest.mark.parametrize("change, says", [("chmod 0666", "writable by other users (mode 0666)"),
+                                          ("chown nobody", "owned by uid"),
+                                          ("fifo", "not a regular file")])
+def test_a_log_others_could_change_is_refused(run, change, says):
+    run.log.parent.mkdir(parents=True)
+    if change == "fifo":
+        os.mkfifo(run.log)
+    else:
+        run.log.write_text("")
+        if change == "chmod 0666":
+            run.log.chmod(0o666)
+        else:
+            os.chown(run.log, 65534, 65534)
+    result, rc = run.call(state="started", command=[sys.executable, FAKE_RUN])
+    assert rc == 1 and says in result["msg"] and str(run.log) in result["msg"], result
+    assert not run.pidfile.exists()
+
+
+def test_the_status_never_reads_a_log_through_a_symlink(run, tmp_path):
+    target = an_important_file(tmp_path)
+    pid = run.start()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not alive(pid))
+    run.log.unlink()
+    run.log.symlink_to(target)
+    status, rc = run.call(state="status")
+    assert rc == 0 and status["stale_pidfile"] is True
+    assert "important" not in status["log_tail"]
+
+
+def test_a_symlinked_secrets_file_or_lock_is_refused(run, tmp_path):
+    secret = tmp_path / "etc" / "shadow"
+    secret.parent.mkdir()
+    secret.write_text("ROOT_ONLY=1\n")
+    secret.chmod(0o600)
+    env_file = tmp_path / "main.env"
+    env_file.symlink_to(secret)
+    result, rc = run.call(command=[sys.executable, FAKE_RUN], environment_file=str(env_file))
+    assert rc == 1 and "environment_file" in result["msg"] and "symbolic link" in result["msg"], result
+    assert not run.pidfile.exists()
+    run.pidfile.parent.mkdir(parents=True)
+    Path(f"{run.pidfile}.lock").symlink_to(tmp_path / "etc" / "created-through-the-lock")
+    result, rc = run.call(command=[sys.executable, FAKE_RUN])
+    assert rc == 1 and "lock file" in result["msg"] and "symbolic link" in result["msg"], result
+    assert not (tmp_path / "etc" / "created-through-the-lock").exists()

@@ -95,12 +95,26 @@ def writable_releases(fleet):
     fleet.ct_sh(200, "umount /opt/dflash/releases")
 
 
+LOG = "/var/log/dflash/main.log"
+ROOTS_FILE = "/etc/dflash-probe.conf"
+
+
+def symlinked_log(fleet, tmp_path):
+    fleet.ct_sh(200, f"printf 'kept = yes\\n' > {ROOTS_FILE} && mv {LOG} {LOG}.kept "
+                     f"&& ln -s {ROOTS_FILE} {LOG}")
+
+
+def log_back(fleet):
+    assert fleet.read(200, ROOTS_FILE) == "kept = yes\n"  # nothing was written through the link
+    fleet.ct_sh(200, f"rm -f {LOG} {ROOTS_FILE} && mv {LOG}.kept {LOG}")
+
+
 def stop_ct201(fleet, tmp_path):
     fleet.node_sh(201, "pct stop 201")
 
 
 def start_ct201(fleet):
-    fleet.node_sh(201, "pct start 201")
+    fleet.start_container(201)  # its boot starts the run again (dflash-resume)
 
 
 def pct_missing(fleet, tmp_path):
@@ -233,6 +247,9 @@ CASES = [
          cache_then(f"rm {FEATURES}/manifest.json"), cache_gone,
          words=("no manifest.json in /root/features-bad: the capture there has not finished",
                 "Fix dflash_release_features_path")),
+    Case("A run's log replaced by a symbolic link", RESTART, CT200, symlinked_log, log_back,
+         words=(f"log_path {LOG} is a symbolic link (to {ROOTS_FILE})", "nothing was signalled or started",
+                "Check who changed it")),
     Case("An unwritable release directory", RESTART,
          CT200 + ("-e", "dflash_release_output_dir=/var/lib/dflash/runs/b"),
          read_only_releases,

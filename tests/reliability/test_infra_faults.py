@@ -55,7 +55,9 @@ def test_a_stopped_container_fails_clearly_and_a_rerun_resumes_the_run(fleet):
     assert fleet.node_sh(200, "pct status 200") == "status: stopped\n"
     assert RunSnapshot.take(fleet, 201) == before[201]
 
-    fleet.node_sh(200, "pct start 200")
+    # Its boot starts the run again (dflash-resume: it was live when its container stopped); a deploy
+    # then finds it running the live release and keeps it.
+    assert fleet.start_container(200)["outcome"] == "resumed"
     res = fleet.play("deploy.yml", "-l", "ct200")
     assert res.rc == 0, str(res)
     assert on_live_release(fleet, 200) and RunSnapshot.take(fleet, 200).release == before[200].release

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pvesim.fleet import Fleet, change_code
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -42,13 +43,14 @@ def ensure_running(fleet, *vmids):
 
 
 def ensure_died(fleet, vmid):
-    """The container's run was killed without a stop (its container stopped and started again), as the
-    failed-rollout test leaves CT 200."""
+    """The container's run was killed without a stop, its process group SIGKILLed as an OOM kill would.
+    (A container stopped and started again starts such a run again at its boot: dflash-resume.)"""
     if not fleet.run_info(vmid):
         ensure_running(fleet, vmid)
     if running(fleet, vmid):
-        node = fleet.sim.node_of(vmid).name
-        assert fleet.sim.ssh(node, f"pct stop {vmid} && pct start {vmid}").returncode == 0
+        run = fleet.run_info(vmid)
+        assert fleet.ct(vmid, f"kill -KILL -{run['pgid']}").returncode == 0
+        assert wait_for(lambda: not fleet.alive(vmid, run["pid"]), timeout=30)
 
 
 def ensure_previous_release(fleet, vmid):
@@ -184,7 +186,7 @@ def test_a_failed_container_stops_the_rollout_and_leaves_the_rest_as_they_were(f
             assert fleet.live_release(vmid) == releases[vmid]
             assert fleet.run_info(vmid)["pid"] == before[vmid] and fleet.alive(vmid, before[vmid])
     finally:
-        assert fleet.sim.ssh("pve1", "pct start 200").returncode == 0
+        fleet.start_container(200)  # its boot starts the run again (dflash-resume)
 
 
 def test_status_shows_one_table_for_the_fleet(fleet):
@@ -202,8 +204,8 @@ def test_status_shows_one_table_for_the_fleet(fleet):
         assert row[2] == Path(fleet.live_release(vmid)).name
         assert row[3] == "running" and int(row[4]) == fleet.run_info(vmid)["pid"]
         assert int(row[5]) >= 1 and "0:" in " ".join(row[10:]) and "1:" in " ".join(row[10:])
-    # CT 200 was stopped and started as a container: its run was killed without a stop, so the table
-    # says it died (not stopped), with its last step and checkpoint, and the end of its log.
+    # CT 200's run was killed without a stop, so the table says it died (not stopped), with its last
+    # step and checkpoint, and the end of its log.
     status = fleet.status(200)
     assert status["state"] in ("starting", "running", "stopping")  # what the killed run last wrote
     died = rows["ct200"]

@@ -230,3 +230,47 @@ def test_containers_that_render_the_same_files_share_one_release_packed_once(tmp
                                                for ext in ("", ".b64"))
     with open(packed["ct202"]["archive_b64"]) as fh:
         assert base64.b64decode(fh.read()) == open(packed["ct202"]["archive"], "rb").read()
+
+
+@pytest.mark.parametrize("where", ["releases", "release", "staging", "inside"])
+def test_a_symlink_in_the_release_tree_is_refused_and_nothing_is_switched(tree, where):
+    """A releases/ directory, a release, its staging directory or a file in a release replaced by a
+    symbolic link (elsewhere, to a directory root owns): nothing is unpacked or switched through it."""
+    first, content = tree.pack(GOOD)
+    assert not tree.call(release=first, content=content, **VALIDATE).get("failed")
+    elsewhere = tree.tmp / "etc"
+    elsewhere.mkdir()
+    second, content = tree.pack(GOOD, marker="# second\n")
+    if where == "releases":
+        releases = tree.root / "releases"
+        releases.rename(tree.tmp / "moved")
+        (elsewhere / os.path.basename(first)).symlink_to(tree.tmp / "moved" / os.path.basename(first))
+        releases.symlink_to(elsewhere)
+    elif where == "release":
+        os.symlink(elsewhere, second)
+    elif where == "staging":
+        os.symlink(elsewhere, dflash_release_tree.staging_dir(second))
+    else:
+        os.symlink("/etc/passwd", f"{first}/dflash/passwd.py")
+        second = first
+    res = tree.call(release=second, content=content, **VALIDATE)
+    assert res.get("failed"), res
+    assert "symbolic link" in res["msg"], res
+    assert tree.link("current") == first
+    assert sorted(os.listdir(elsewhere)) == ([os.path.basename(first)] if where == "releases" else [])
+
+
+def test_a_release_that_does_not_fit_fails_before_anything_is_unpacked(tree, small_filesystem):
+    """releases/ on a full disk: the unpack fails saying what it needs and what is free, nothing is left
+    half-unpacked, nothing is switched; with room again the same call goes live."""
+    first, content = tree.pack(GOOD)
+    needed, _ = dflash_release_tree.unpacked_size(base64.b64decode(content))
+    small_filesystem(tree.root / "releases", size=needed // 2)
+    res = tree.call(release=first, content=content, **VALIDATE)
+    assert res.get("failed"), res
+    assert "No space left on device" in res["msg"] and "MiB free" in res["msg"], res
+    assert "nothing was unpacked or switched" in res["msg"], res
+    assert tree.link("current") is None and tree.releases() == []
+    subprocess.run(["mount", "-o", f"remount,size={needed * 4}", str(tree.root / "releases")], check=True)
+    res = tree.call(release=first, content=content, **VALIDATE)
+    assert not res.get("failed") and tree.link("current") == first, res

@@ -57,3 +57,30 @@ def test_a_run_without_a_checkpoint_or_a_report():
     assert lines[1].split()[3] == "died" and lines[1].split()[9] == "-"
     hostvars_without_report = render({})
     assert hostvars_without_report[1].split()[3] == "unreachable"
+
+
+def test_a_run_that_lives_with_a_full_disk_shows_what_it_could_not_write():
+    progress = {"state": "running", "step": 40, "last_checkpoint": "/runs/main/checkpoints/step-00000020",
+                "checkpoint_error": "checkpoint step 40 could not be written (No space left on device)",
+                "log_error": "the log cannot be written since 2026-01-01T00:00:00+00:00 (No space left)"}
+    lines = [line.strip() for line in render(report("running", False, progress))]
+    assert lines[1].split()[3] == "running" and lines[1].split()[9] == "20"
+    assert lines[2:] == [f"checkpoint: {progress['checkpoint_error']}", f"log error: {progress['log_error']}"]
+
+
+def test_a_run_its_container_s_boot_started_again_says_so_and_one_it_did_not_says_why():
+    resumed = {**report("running", False, {"state": "running", "step": 12}), "started_by": "boot",
+               "started_at": "2026-01-01T00:00:00+00:00"}
+    lines = [line.strip() for line in render(resumed)]
+    assert lines[2:] == ["resumed: started again at 2026-01-01T00:00:00+00:00 after its container's boot "
+                         "(it was live when the container stopped)"]
+    waiting = {**report("stopped", True, {"state": "running", "step": 12}),
+               "boot": {"outcome": "gpus_busy", "time": "2026-01-01T00:00:09+00:00",
+                        "msg": "not started: its GPUs are not idle after 120s (GPU 0 is busy)"}}
+    lines = [line.strip() for line in render(waiting)]
+    assert lines[1].split()[3] == "died"
+    said = ("at boot (2026-01-01T00:00:09+00:00): not started: its GPUs are not idle after 120s "
+            "(GPU 0 is busy)")
+    assert said in lines
+    stopped = {**report("stopped", False, {"state": "stopped"}), "boot": {"outcome": "stopped", "msg": "x"}}
+    assert [line for line in render(stopped)[2:] if line.strip()] == []

@@ -13,10 +13,18 @@ import os
 import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from stat import S_IMODE, S_ISLNK, S_ISREG, S_ISVTX
+from stat import S_ISLNK, S_ISREG
 from typing import NamedTuple
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_proc import is_alive, read_stat
+
+# The pidfile is trusted by the rule every path of the run follows.
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
+    UnsafePath,
+    open_file,
+    path_problem,
+    refusal,
+)
 
 
 class RunError(Exception):
@@ -31,6 +39,7 @@ class RunError(Exception):
 PLAIN_FILE_NAME = "a plain file name (no '/', not starting with '.')"
 # How a concurrent change is named in messages (a second playbook, or an operator).
 CHANGED_UNDER = "another deploy (or an operator) changed it meanwhile"
+NOTHING_DONE = "nothing was signalled or started"
 
 
 class Unreadable(NamedTuple):
@@ -66,19 +75,6 @@ def parse_pidfile(text):
     return Unreadable(problem) if problem else data
 
 
-def unsafe_reason(file_stat, dir_stat, euid):
-    """Why a pidfile must not be trusted (someone else could have written the pid in it), or None."""
-    if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
-        return "is not a regular file"
-    if file_stat.st_uid != euid:
-        return f"is owned by uid {file_stat.st_uid}, not by uid {euid} that runs this module"
-    if file_stat.st_mode & 0o022:
-        return f"is writable by other users (mode {S_IMODE(file_stat.st_mode):04o})"
-    if dir_stat.st_mode & 0o002 and not dir_stat.st_mode & S_ISVTX:
-        return f"is in a directory every user can write to (mode {S_IMODE(dir_stat.st_mode):04o})"
-    return None
-
-
 def load_pidfile(path):
     """(record, unsafe): record is None when there is no pidfile, Unreadable when it names
     nothing; unsafe says why the file itself cannot be trusted, or is None."""
@@ -88,7 +84,7 @@ def load_pidfile(path):
         return None, None
     except OSError as exc:
         raise RunError(f"cannot read pidfile {path}: {exc.strerror}") from None
-    unsafe = unsafe_reason(file_stat, os.stat(os.path.dirname(path) or "."), os.geteuid())
+    unsafe = path_problem(path)
     if S_ISLNK(file_stat.st_mode) or not S_ISREG(file_stat.st_mode):
         return Unreadable("is not a regular file"), unsafe
     try:
@@ -196,7 +192,10 @@ def pidfile_lock(pidfile, enabled):
         yield
         return
     os.makedirs(os.path.dirname(pidfile) or ".", mode=0o755, exist_ok=True)
-    lock_fd = os.open(pidfile + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock_fd = open_file(pidfile + ".lock", os.O_RDWR | os.O_CREAT)
+    except UnsafePath as exc:
+        raise RunError(refusal("lock file", exc.path, exc.reason, NOTHING_DONE)) from None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         yield
@@ -227,7 +226,7 @@ def confirm_run(name, pidfile, expected, consequence):
     """check_expected under the pidfile's lock, for a step that does not change the run (a GPU wait).
     It never waits for the lock: one held by another invocation is another deploy changing the run now."""
     try:
-        lock_fd = os.open(pidfile + ".lock", os.O_RDWR)
+        lock_fd = os.open(pidfile + ".lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # no run was ever started through this pidfile
         lock_fd = None
     try:

@@ -15,9 +15,9 @@ import signal
 import subprocess
 import time
 from datetime import datetime, timezone
-from stat import S_IMODE
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    NOTHING_DONE,
     RunError,
     remove_file,
     running_result,
@@ -25,6 +25,12 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_stat
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import POLL_SECONDS
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
+    UnsafePath,
+    open_file,
+    path_problem,
+    refusal,
+)
 
 LOG_TAIL_BYTES = 4096
 
@@ -50,6 +56,16 @@ def preflight(params, env):
         parent = os.path.dirname(path)
         if os.path.exists(parent) and not os.path.isdir(parent):
             raise RunError(f"{parent} (parent of {path}) is not a directory")
+    refused = log_refusal(params["log_path"])
+    if refused:
+        raise RunError(refused)
+
+
+def log_refusal(log_path):
+    """Why a start would refuse the log (a symbolic link, another user's, writable by others), as the
+    refusal message, or None; nothing is created. A role asks it through V(status) before it stops a run."""
+    problem = path_problem(log_path)
+    return refusal("log_path", log_path, problem, NOTHING_DONE) if problem else None
 
 
 def reset_signals():
@@ -65,7 +81,10 @@ def spawn(argv, chdir, env, log_path):
     stderr appended to the log, every other descriptor closed. The module never waits for the
     run: when it exits, the run is re-parented to init, and having no controlling terminal it gets
     no SIGHUP when the connection closes."""
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        log_fd = open_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except UnsafePath as exc:
+        raise RunError(refusal("log_path", log_path, exc.reason, NOTHING_DONE)) from None
     try:
         return subprocess.Popen(argv, cwd=chdir or "/", env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                 stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
@@ -80,13 +99,19 @@ def last_lines(text, count=12):
     return "\n".join(text.rstrip("\n").splitlines()[-count:])
 
 
+def read_log(path):
+    """The run's log opened for reading, never through a symbolic link (UnsafePath otherwise)."""
+    return os.fdopen(open_file(path), "rb")
+
+
 def log_tail(path, limit=LOG_TAIL_BYTES):
+    """The end of the log; empty when it cannot be read or is not trusted (shown, never followed)."""
     try:
-        with open(path, "rb") as log_file:
+        with read_log(path) as log_file:
             log_file.seek(0, os.SEEK_END)
             log_file.seek(max(0, log_file.tell() - limit))
             return log_file.read().decode("utf-8", "replace")
-    except OSError:
+    except (OSError, UnsafePath):
         return ""
 
 
@@ -111,10 +136,10 @@ class LogWatcher:
         if self.match is not None or self.pattern is None:
             return self.match
         try:
-            with open(self.path, "rb") as log_file:
+            with read_log(self.path) as log_file:
                 log_file.seek(self.offset)
                 chunk = log_file.read()
-        except OSError:
+        except (OSError, UnsafePath):
             return None
         self.offset += len(chunk)
         lines = (self.pending + chunk).split(b"\n")
@@ -140,6 +165,8 @@ def start_run(params, env):
     record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
                   argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if params.get("started_by"):  # who started it, when not a deploy (run_resume: the container's boot)
+        record["started_by"] = params["started_by"]
     # Written before the waits so that a module killed during them leaves the run findable.
     write_pidfile(params["pidfile"], record)
     alive_until = began + params["startup_wait"]
@@ -179,12 +206,13 @@ def base_environment():
 def read_environment_file(path):
     """KEY=VALUE lines (blank lines and # comments skipped) of a file only its owner can read:
     the secrets of a run never pass through the module's arguments or its result."""
-    file_stat = os.stat(path)
-    if file_stat.st_uid != os.geteuid() or file_stat.st_mode & 0o077:
-        raise RunError(f"environment_file {path} must be owned by uid {os.geteuid()} and readable by it "
-                       f"alone (mode {S_IMODE(file_stat.st_mode):04o}); chmod 0600 it")
+    try:
+        fd = open_file(path, private=True)
+    except UnsafePath as exc:
+        private = f" It must be owned by uid {os.geteuid()} and readable by it alone: chmod 0600 it."
+        raise RunError(refusal("environment_file", path, exc.reason, NOTHING_DONE) + private) from None
     values = {}
-    with open(path) as env_file:
+    with os.fdopen(fd) as env_file:
         for number, line in enumerate(env_file, 1):
             line = line.strip()
             if not line or line.startswith("#"):

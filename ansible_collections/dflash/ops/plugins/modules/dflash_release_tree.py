@@ -161,6 +161,8 @@ import tarfile
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import path_problem, refusal
+
 ARGUMENT_SPEC = {
     "state": {"type": "str", "choices": ["live", "previous"], "default": "live"},
     "root": {"type": "path", "required": True},
@@ -182,16 +184,40 @@ def staging_dir(release):
 
 
 def unsafe_entries(top):
-    """Entries under `top` writable by group or others or owned by another user, as 'path (mode, uid)'."""
+    """Entries under `top` (itself included) writable by group or others, owned by another user or that are
+    symbolic links, as 'path (mode, uid)' or 'path (a symbolic link to ...)'."""
     uid, found = os.getuid(), []
-    for root, _dirs, files in os.walk(top):
-        for path in [root] + [os.path.join(root, f) for f in files]:
+    for root, dirs, files in os.walk(top):
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # os.walk does not enter them
+        for path in [root] + [os.path.join(root, f) for f in files + links]:
             st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                continue
-            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid != uid:
+            if stat.S_ISLNK(st.st_mode):  # an unpacked release has none (unpack refuses links)
+                found.append(f"{path} (a symbolic link to {os.readlink(path)})")
+            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid != uid:
                 found.append(f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid})")
     return found
+
+
+def unpacked_size(data, block=4096):
+    """Bytes (whole blocks of `block`) and inodes the archive `data` takes once unpacked."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        members = tar.getmembers()
+    blocks = sum(-(-m.size // block) if m.isfile() else 1 for m in members) + 1
+    return blocks * block, len(members) + 1
+
+
+def room_problem(data, directory):
+    """Why the filesystem of `directory` cannot hold the archive unpacked, or None (checked before a byte
+    is written, so a full disk fails with what it needs rather than half-way through the unpack)."""
+    fs = os.statvfs(directory)
+    needed, inodes = unpacked_size(data, fs.f_frsize or 4096)
+    free = fs.f_bavail * fs.f_frsize
+    if needed > free:
+        return (f"needs {needed / 2**20:.1f} MiB and the filesystem of {directory} has "
+                f"{free / 2**20:.1f} MiB free")
+    if fs.f_files and inodes > fs.f_favail:
+        return f"needs {inodes} inodes and the filesystem of {directory} has {fs.f_favail} free"
+    return None
 
 
 def unpack(data, dest):
@@ -272,14 +298,28 @@ def refuse_unsafe(module, release, current):
     bad = unsafe_entries(release)
     if bad:
         module.fail_json(
-            msg=f"Release {release} is writable by other users or not owned by uid {os.getuid()}: "
+            msg=f"Release {release} is writable by other users, not owned by uid {os.getuid()} or holds a "
+                f"symbolic link: "
                 f"{', '.join(bad[:5])}. Remove the directory (rm -r {release}) and deploy again "
                 f"to unpack it afresh.", current=current, unsafe=bad)
+
+
+def refuse_unsafe_directories(module, root, release, current):
+    """Fail when the release root, releases/ or the release's staging directory is a symbolic link or a
+    directory another user could change: an unpack or a switch would then write where they chose."""
+    releases = os.path.dirname(release)
+    for what, path in (("release root directory", root), ("releases directory", releases),
+                       ("release directory", release), ("staging directory", staging_dir(release))):
+        problem = path_problem(path, directory=True)
+        if problem:
+            module.fail_json(msg=refusal(what, path, problem, "nothing was unpacked or switched"),
+                             current=current)
 
 
 def make_live(module, root, release, current):
     """Ensure `release` (existing, or unpacked into staging and validated first) is live; the result."""
     p, check = module.params, module.check_mode
+    refuse_unsafe_directories(module, root, release, current)
     result = {"current": current, "release": release, "live": True, "validated": None, "validation": None,
               "staging": None, "removed": []}
     exists = os.path.isfile(os.path.join(release, "REVISION"))
@@ -295,11 +335,20 @@ def make_live(module, root, release, current):
         candidate = result["staging"] = staging_dir(release)
         if not check:
             os.makedirs(os.path.dirname(release), mode=0o755, exist_ok=True)
+            shutil.rmtree(candidate, ignore_errors=True)  # a leftover's space counts as free
             try:
-                unpack(base64.b64decode(p["content"]), candidate)
+                data = base64.b64decode(p["content"])
+                no_room = room_problem(data, os.path.dirname(release))
+                if no_room:
+                    module.fail_json(msg=f"cannot unpack the release into {candidate}: it {no_room} (No "
+                                         f"space left on device); nothing was unpacked or switched. Free "
+                                         f"space there (fewer releases kept: dflash_release_keep) or give "
+                                         f"it a larger disk.", current=current)
+                unpack(data, candidate)
             except (tarfile.TarError, OSError, ValueError) as exc:
                 shutil.rmtree(candidate, ignore_errors=True)
-                module.fail_json(msg=f"cannot unpack the release into {candidate}: {exc}", current=current)
+                module.fail_json(msg=f"cannot unpack the release into {candidate}: {exc}; nothing was "
+                                     f"switched (the staging directory was removed).", current=current)
     if p["validate_argv"] and not check:
         result["validation"] = validate(module, candidate)
         result["validated"] = result["validation"]["rc"] == 0

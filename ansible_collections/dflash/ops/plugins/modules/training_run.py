@@ -195,6 +195,11 @@ pidfile_unsafe:
   description: Why the pidfile is not trusted (owner, mode, directory).
   returned: when it is not
   type: str
+log_unsafe:
+  description: Why a start would refuse O(log_path) (a symbolic link, a file of another user or writable by
+    others, in such a directory), in the words of that refusal; a role checks it before it stops a run.
+  returned: with V(status), when a start would refuse the log
+  type: str
 set_aside:
   description: Where an unreadable pidfile was moved.
   returned: when an unreadable pidfile was acted on
@@ -233,6 +238,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
+    log_refusal,
     log_tail,
     preflight,
     read_environment_file,
@@ -290,7 +296,8 @@ def apply_state(module, env):
     record, verdict, unsafe = inspect(params["pidfile"])
 
     if state == "status":
-        extra = {"pidfile_unsafe": unsafe} if unsafe else {}
+        extra = {key: value for key, value in (("pidfile_unsafe", unsafe),
+                                               ("log_unsafe", log_refusal(params["log_path"]))) if value}
         if verdict == "live":
             return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
         if verdict not in ("absent", "live"):  # it ended without a stop: finished, failed or died

@@ -1,0 +1,158 @@
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Targets may run a Python older than 3.11 (no datetime.UTC).
+# ruff: noqa: UP017
+"""Runs that come back when their container boots.
+
+The dflash_run role puts this program in the container (`dflash-resume.pyz`: it and the module_utils it
+imports, standard library only) with a systemd unit, `dflash-resume.service`, that runs it at every boot
+of the container, whatever started the container (the node's startall after the node's boot, `pct
+start`). For each run the role started (its start file `<pidfile dir>/<name>.boot.json`: the start's
+arguments and the run's GPUs) it starts the same argv again, the release's run.sh, which resumes from
+the last complete checkpoint, when all of these hold, under the run's lock as a deploy would:
+
+- the pidfile is there and names no live process: the run ended without a stop. Only a stop removes a
+  pidfile, so a run stopped on purpose (stop_training.yml) stays stopped; a pidfile that is not trusted
+  or names nothing is left to the operator;
+- status.json says the run did not end by itself: it was starting, running or stopping (killed with its
+  container), or it stopped on a signal (its container shut down). A finished or failed run stays so;
+- its GPUs are idle, as gpu_verify judges them, within the start file's gpu_timeout: a container that
+  comes back at the same time as another on the same GPUs does not start a run over the other's.
+
+Each outcome is a JSON line on stdout and `<pidfile dir>/<name>.boot-result.json` (status.yml shows it);
+the pidfile of a resumed run says `started_by: boot`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from datetime import datetime, timezone
+
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import observe, unmet
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
+    RunError,
+    describe,
+    inspect,
+    pidfile_lock,
+    remove_file,
+    write_pidfile,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
+    base_environment,
+    preflight,
+    read_environment_file,
+    start_run,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import UnsafePath, open_file
+
+START_FILE = ".boot.json"
+RESULT_FILE = ".boot-result.json"
+STARTED_BY = "boot"
+GPU_POLL_SECONDS = 2
+
+
+def read_json(path, private=False):
+    """The JSON object in `path` (never read through a symbolic link), or None when there is none."""
+    try:
+        with os.fdopen(open_file(path, private=private)) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def ended_by_itself(status):
+    """Why a run whose pidfile outlived it must not start again (it finished or failed), or None."""
+    state, reason = status.get("state"), status.get("stop_reason") or ""
+    if state == "failed":
+        return f"it failed ({status.get('error')}); deploy.yml starts it once that is fixed"
+    if state == "stopped" and not reason.startswith("signal"):
+        return f"it finished ({reason or 'stopped by itself'})"
+    return None
+
+
+def idle_problems(spec, executable=None, clock=time.monotonic, sleep=time.sleep):
+    """[] once the run's GPUs are idle, else why not when spec's gpu_timeout ran out."""
+    gpus = spec.get("gpus") or []
+    if not gpus:
+        return []
+    executable = executable or find_executable()
+    if executable is None:
+        return ["nvidia-smi is not installed in the container"]
+    deadline = clock() + float(spec.get("gpu_timeout", 120))
+    while True:
+        listed, processes = observe(executable)
+        problems = unmet("idle", listed, processes, gpus, int(spec.get("max_memory_mib", 256)), None)
+        if not problems or clock() >= deadline:
+            return problems
+        sleep(GPU_POLL_SECONDS)
+
+
+def outcome(spec, what, msg, **extra):
+    return dict(name=spec["name"], outcome=what, msg=msg, **extra,
+                time=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def start_params(spec):
+    keys = ("name", "pidfile", "log_path", "command", "chdir", "startup_wait", "wait_for", "wait_timeout")
+    return dict({key: spec.get(key) for key in keys}, started_by=STARTED_BY)
+
+
+def resume(spec, executable=None):
+    """Start the run of `spec` again if it was live when its container stopped; the outcome."""
+    pidfile = spec["pidfile"]
+    with pidfile_lock(pidfile, enabled=True):
+        record, verdict, unsafe = inspect(pidfile)
+        if unsafe:
+            return outcome(spec, "left", f"pidfile {pidfile} {unsafe}: not trusted, nothing started")
+        if verdict == "absent":
+            return outcome(spec, "stopped", "stopped on purpose (no pidfile): left stopped")
+        if verdict == "live":
+            return outcome(spec, "running", f"already running: {describe(record)}", pid=record["pid"])
+        if verdict == "unreadable":
+            return outcome(spec, "left", f"pidfile {pidfile} {record.problem}: left to the operator")
+        finished = ended_by_itself(read_json(spec["status_file"]) or {})
+        if finished:
+            return outcome(spec, "left", f"not started again: {finished}")
+        env = base_environment()
+        env.update({key: str(value) for key, value in (spec.get("environment") or {}).items()})
+        if spec.get("environment_file"):
+            env.update(read_environment_file(spec["environment_file"]))
+        params = start_params(spec)
+        preflight(params, env)
+        busy = idle_problems(spec, executable)
+        if busy:
+            waited = spec.get("gpu_timeout", 120)
+            return outcome(spec, "gpus_busy", f"not started: its GPUs are not idle after {waited}s "
+                                              f"({'; '.join(busy)}); deploy.yml starts it once they are")
+        remove_file(pidfile)  # stale: the run it names died with the container
+        new, startup = start_run(params, env)
+        return outcome(spec, "resumed", f"started again after the container's boot: {describe(new)} "
+                                        f"(the run before it, pid {record['pid']}, ended without a stop)",
+                       pid=new["pid"], previous_pid=record["pid"], progress=startup.get("progress"))
+
+
+def resume_all(directory, executable=None):
+    """Resume every run that has a start file in `directory`; their outcomes, each also written next to
+    its pidfile."""
+    results = []
+    for path in sorted(glob.glob(os.path.join(directory, "*" + START_FILE))):
+        name = os.path.basename(path)[: -len(START_FILE)]
+        spec = {"name": name}
+        try:
+            spec = read_json(path, private=True) or spec
+            result = resume(spec, executable)
+        except (RunError, UnsafePath, NvidiaSmiError, OSError, KeyError) as exc:
+            result = outcome(spec, "failed", f"not started: {exc}")
+        results.append(result)
+        try:
+            write_pidfile(os.path.join(directory, name + RESULT_FILE), result)
+        except OSError:
+            pass  # the outcome is still on stdout (the journal)
+    return results
