@@ -206,11 +206,12 @@ class Launcher:
             record = json.loads(line)
         except ValueError:
             record = None
+        event = isinstance(record, dict) and "event" in record
         with self.lock:
+            if event and record["event"] == "worker_start":
+                self._on_worker_start(record)  # a restart's event first, then the worker's line
             self.log.write_line(line)  # a full log loses the line, not this reader (the workers would block)
-            if isinstance(record, dict) and "event" in record:
-                if record["event"] == "worker_start":
-                    self._on_worker_start(record)  # a restart's event first, then the worker's
+            if event:
                 self.status.follow(record)
                 self._on_event(record)
 

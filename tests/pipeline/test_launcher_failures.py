@@ -82,11 +82,13 @@ def test_without_a_report_torchruns_word_is_the_cause(launcher):
 def test_a_restart_names_the_failed_start_and_forgets_it(launcher, report):
     report("target1", "injected failure", at=0.001)
     torchrun_reports(launcher, local_rank=2, pid=103)
-    launcher.log.stream = own_events = io.StringIO()
+    launcher.log.stream = log = io.StringIO()
     launcher._on_line(json.dumps({"event": "worker_start", "worker": "drafter0", "local_rank": 0,
                                   "pid": 201, "restart": 1}))
-    [restart] = [json.loads(line) for line in own_events.getvalue().splitlines()]
-    assert restart["event"] == "restart"
+    # The launcher's own restart event, then the worker's line it passes on (one log, in that order).
+    restart, passed_on = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert restart["event"] == "restart" and "worker" not in restart
+    assert passed_on["event"] == "worker_start" and passed_on["pid"] == 201
     assert restart["cause"] == "worker target1 (pid 103) failed: RuntimeError: injected failure"
     status = json.loads(launcher.status.file.path.read_text())
     assert status["restarts"] == 1 and status["workers"] == {
