@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from dflash.checkpoint import find_checkpoint
 from dflash.config import config_from_dict, load_config
 from dflash.evaluate import (
     AcceptanceStats,
     drafter_proposer,
     end_of_text_id,
     eval_prompts,
-    resolve_checkpoint,
     speculative_decode,
 )
 from dflash.export import export_checkpoint, load_export
@@ -112,7 +112,7 @@ def side_by_side(config_path: Path, checkpoint: Path, workdir: Path, num_prompts
     cfg = load_config(config_path)
     target_dir = Path(cfg.model.target_path)
     prompts = eval_prompts(Path(cfg.data.path).with_name("eval.jsonl"), cfg.data.max_length, num_prompts)
-    export_dir = export_checkpoint(resolve_checkpoint(checkpoint), workdir / "export", dtype)
+    export_dir = export_checkpoint(find_checkpoint(checkpoint), workdir / "export", dtype)
     outputs, stats = our_decoding(target_dir, export_dir, prompts, max_new_tokens)
     target_config = json.loads((target_dir / "config.json").read_text())
     request = {"target": str(target_dir), "drafter": None, "num_speculative_tokens": None, "prompts": prompts,

@@ -59,8 +59,15 @@ class Tree:
         self.calls += 1
         args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
         # cwd away from the repository: `python -m dflash.config` must import the release's own code.
+        # The module's own imports (the collection's module_utils) come from a path that holds the
+        # collection alone, as Ansible's payload would give them.
+        collection_path = self.tmp / "collection-path"
+        if not collection_path.exists():
+            collection_path.mkdir()
+            (collection_path / "ansible_collections").symlink_to(REPO / "ansible_collections")
         proc = subprocess.run([sys.executable, str(TREE), str(args_file)], capture_output=True, text=True,
-                              timeout=120, cwd=self.tmp)
+                              timeout=120, cwd=self.tmp,
+                              env={**os.environ, "PYTHONPATH": str(collection_path)})
         try:
             return json.loads(proc.stdout)
         except ValueError:
