@@ -25,8 +25,9 @@ description:
     releases are kept (the live and the previous one always), removing staging leftovers.
   - The live release is left as it is (checked only), so an unchanged deploy changes nothing.
   - Its action plugin runs on the controller first. With O(build) it packs the release there (the
-    trainer's code and this container's rendered files, in a cache of archives shared by the deploy's
-    processes, so that containers with the same files share one archive) and passes it as O(content),
+    trainer's code and this container's files rendered from templates, in a cache of archives shared by
+    the deploy's processes, so that containers with the same files share one archive) and passes it as
+    O(content),
     with O(release) named after its content hash. After the call it fails a release that does not
     validate with the trainer's words and the variable to fix (O(fix_variables)).
   - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
@@ -65,8 +66,9 @@ options:
     description:
       - The release to pack on the controller (by the action plugin) in place of O(release) and O(content)
         - C(code_dir) the trainer's package, C(dest_dir) the controller's archive cache, C(exclude) files of
-        the package that never ship, C(revision) the source revision recorded in C(REVISION), C(files)
-        {name - text} of the rendered files (C(config.yaml), C(run.sh)).
+        the package that never ship, C(revision) the source revision recorded in C(REVISION), C(templates)
+        {name in the release - template} of the files rendered with the task's variables (the role's
+        C(templates/) directory).
     type: dict
   fix_variables:
     description:
@@ -100,9 +102,9 @@ EXAMPLES = r"""
       code_dir: /srv/dflash-ops/dflash
       dest_dir: /srv/dflash-ops/.cache/releases
       revision: v1.2.0
-      files:
-        config.yaml: "{{ lookup('ansible.builtin.template', 'config.yaml.j2') }}"
-        run.sh: "{{ lookup('ansible.builtin.template', 'run.sh.j2') }}"
+      templates:
+        config.yaml: config.yaml.j2
+        run.sh: run.sh.j2
     validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, --json, "%s/config.yaml"]
     validate_environment:
       PYTHONPATH: "%s"
