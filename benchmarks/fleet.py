@@ -9,7 +9,8 @@ REV` that revision's playbooks and collection (its own ansible.cfg and forks; `b
 run the same three plays on the same sim first, the containers and the controller's release cache reset
 before each tree's first deploy: both sides measured in one run. Each play is `ansible-playbook` itself:
 its wall time and the CPU seconds of its process tree on the controller (`wait4`: what `/usr/bin/time`
-reports), and the task runs per container (host results in its output, skipped ones shown). Reported per
+reports), the simulated nodes' CPU seconds meanwhile (on this machine they share its cores with the
+controller), and the task runs per container (host results in its output, skipped ones shown). Reported per
 play: wall, CPU, the CPU each container past the first costs ((CPU at N - CPU at 1) / (N - 1)), the ratio
 to the baseline, and the load average around each play (the machine may be shared).
 
@@ -135,7 +136,8 @@ def measure_trees(fleet, trees, vmids) -> dict:
             plays[name]["tasks_per_container"] = min(hosts.get(f"ct{v}", 0) for v in vmids)
             got = plays[name]
             print(f"  {tree.label:<22} {name:<17} wall {got['wall_s']:>6.1f} s  controller CPU "
-                  f"{got['cpu_s']:>6.2f} s  tasks/ct {got['tasks_per_container']}", flush=True)
+                  f"{got['cpu_s']:>6.2f} s  nodes' CPU {got['nodes_cpu_s']:>6.2f} s  "
+                  f"tasks/ct {got['tasks_per_container']}", flush=True)
         archives = sorted(fleet.build_dir.glob("*.tar.gz.b64"))
         plays["deploy"]["archive_b64_bytes"] = archives[0].stat().st_size if archives else None
         out[tree.label] = plays
@@ -227,6 +229,10 @@ def print_tables(results: list[dict], labels: list[str]) -> dict:
 
     print("\nload average (1 min) before/after each play, this tree: "
           + "; ".join(f"{r['containers']} ct {loads(r)}" for r in results))
+    print("the simulated nodes' CPU seconds meanwhile (sshd, pct, lxc-attach, the modules in the containers; "
+          "a real fleet's nodes have their own CPUs), this tree: " + "; ".join(
+              f"{r['containers']} ct " + ", ".join(f"{play} {r['trees'][this][play]['nodes_cpu_s']:.1f}"
+                                                 for play, _, _ in PLAYS) for r in results))
     if len(results) > 1:
         largest = results[-1]["containers"]
         for play, goal in CPU_GOALS.items():

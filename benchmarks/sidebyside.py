@@ -9,6 +9,9 @@ same trainer source (the fleet's snapshot) to the same containers.
 its own work to every task): wall time, and the CPU seconds of the `ansible-playbook` process tree on the
 controller from `wait4` (the process and every worker, ssh client and command it waited for: what
 `/usr/bin/time ansible-playbook` reports). Host results are counted from its output (skipped hosts shown).
+Beside it, the CPU seconds the simulated nodes spent meanwhile: each node's sshd and everything under it
+(sessions, `pct`, `lxc-attach`, the modules in the containers), which on a real fleet run on the nodes'
+own CPUs and here share the machine's with the controller.
 """
 
 from __future__ import annotations
@@ -87,6 +90,37 @@ def baseline(rev: str, work: Path) -> Tree:
     return Tree(label if label.startswith(rev) or rev.startswith(label) else f"{rev} ({label})", root)
 
 
+def process_times() -> dict:
+    """{pid: (ppid, own CPU seconds + those of its children it waited for)} of every process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(entry)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / tick)
+    return out
+
+
+def nodes_cpu_seconds(fleet) -> float:
+    """CPU seconds so far of the sim's nodes: each node's sshd and its live descendants, each with what it
+    waited for (a process that ended is counted in its parent's)."""
+    times = process_times()
+    children = {}
+    for pid, (ppid, _) in times.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [n.sshd_pid for n in fleet.sim.nodes if n.sshd_pid in times]
+    while todo:
+        pid = todo.pop()
+        total += times[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def measured_play(fleet, tree: Tree, playbook: str, *args) -> dict:
     """One `ansible-playbook` of `tree` against the fleet: wall and controller CPU seconds, host results
     per host, the load average before and after. A failed play ends the benchmark with its output."""
@@ -95,6 +129,7 @@ def measured_play(fleet, tree: Tree, playbook: str, *args) -> dict:
             str(tree.playbook(playbook)), "-e", json.dumps(source), *args]
     env = ansible_env(**tree.env(fleet, ANSIBLE_DISPLAY_SKIPPED_HOSTS="True"))
     load = os.getloadavg()[0]
+    nodes_before = nodes_cpu_seconds(fleet)
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -102,6 +137,7 @@ def measured_play(fleet, tree: Tree, playbook: str, *args) -> dict:
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, for its rusage
         wall = time.monotonic() - started
+        nodes = nodes_cpu_seconds(fleet) - nodes_before
         out.seek(0)
         text = out.read()
     if proc.returncode != 0:
@@ -112,7 +148,8 @@ def measured_play(fleet, tree: Tree, playbook: str, *args) -> dict:
         if match:
             per_host[match.group(2)] = per_host.get(match.group(2), 0) + 1
     return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "host_results": per_host, "loadavg_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
+            "nodes_cpu_s": round(nodes, 2), "host_results": per_host,
+            "loadavg_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
 def tree_play(fleet, tree: Tree, playbook: str, *args, timeout=1200):
