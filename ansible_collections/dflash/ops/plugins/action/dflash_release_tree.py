@@ -46,7 +46,7 @@ def validation_failure(host, result, fix_variables):
     verdict = verdict_of(validation)
     if "key" in verdict:
         problem = f"invalid config {verdict.get('config')}: {verdict['key']}: {verdict.get('message')}"
-        key = str(verdict["key"]).split("[")[0]  # pipeline.target_gpus[2] -> pipeline.target_gpus
+        key = str(verdict["key"]).split("[", maxsplit=1)[0]  # pipeline.target_gpus[2] -> pipeline.target_gpus
     else:
         problem = ((validation.get("stderr") or "").strip() or (validation.get("stdout") or "").strip()
                    or validation.get("msg") or "no output")

@@ -151,18 +151,7 @@ import os
 
 from ansible.module_utils.basic import AnsibleModule
 
-# The pure helpers (with_gpu_index ... render_table) live in module_utils; their unit tests reach them here.
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_from_cgroup  # noqa: F401
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import (  # noqa: F401
-    container_pid,
-    inside_lxc,
-    map_containers,
-    poll,
-    render_table,
-    unmet,
-    unmet_message,
-    with_gpu_index,
-)
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll, unmet_message
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, confirm_run
 
@@ -178,6 +167,7 @@ ARGUMENT_SPEC = dict(
     run_name=dict(type="str", default="main"),
     run_expect_pid=dict(type="int"),
 )
+
 
 def main():
     module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
