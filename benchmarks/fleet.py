@@ -1,23 +1,26 @@
-"""Fleet rollout: `deploy.yml` without the run's start to 1, 2, 4 and 8 containers over 2 simulated nodes.
+"""Fleet rollout and what it costs the controller: `deploy.yml` without the run's start, a no-change
+`deploy.yml` and `status.yml` to 1, 8 and 32 containers, 4 a node (1, 2 and 8 simulated nodes).
 
-Each size gets its own pvesim (own state dir under a temp dir, taken down in a `finally`), with
-containers 200.. spread over the nodes in contiguous blocks, and one `deploy.yml
--e dflash_fleet_start_run=false` (node checks, the trainer's venv, the release validated and made
-live; no run started) with the project's ansible.cfg (its forks, 10) and the playbook's default
-rollout (one batch without the run's start; with it, `serial: [1, '100%']`: the first container
-alone, then the rest together; `--serial` passes another). Reported per size: the wall time and
-its ratio to one container. `--with-start` lets deploy.yml start the run too (the sim's tiny CPU
-run), and shows that part apart.
+Each size gets its own pvesim (own state dir under a temp dir, taken down in a `finally`), containers
+200.. in contiguous blocks over the nodes. On it, each tree measured runs, in turn: `deploy.yml -e
+dflash_fleet_start_run=false` to fresh containers (node checks, the trainer's venv, the release validated
+and made live; no run started), the same again (nothing to change), and `status.yml`. With `--baseline
+REV` that revision's playbooks and collection (its own ansible.cfg and forks; `benchmarks/sidebyside.py`)
+run the same three plays on the same sim first, the containers and the controller's release cache reset
+before each tree's first deploy: both sides measured in one run. Each play is `ansible-playbook` itself:
+its wall time and the CPU seconds of its process tree on the controller (`wait4`: what `/usr/bin/time`
+reports), the simulated nodes' CPU seconds meanwhile (on this machine they share its cores with the
+controller), and the task runs per container (host results in its output, skipped ones shown). Reported per
+play: wall, CPU, the CPU each container past the first costs ((CPU at N - CPU at 1) / (N - 1)), the ratio
+to the baseline, and the load average around each play (the machine may be shared).
 
-Where the time goes comes from the per-task start/end times in ansible-runner's event stream
-(the same figures as `profile_tasks`), grouped by kind of work: the node checks (one
-`pct_container_check` call per container over ssh), container tasks through `pct_pipelined` (ssh to
-the node, then one `pct exec`): the venv module call and the release's one call (unpack of the archive
-that rides in the task's arguments, validation, switch), and the controller's wheel build and
-packing. Also reported: the bytes each container gets in task arguments, the load average before
-and after each size (the machine may be shared), and, on the largest sim before its deploy, the
-connection alone: raw ssh, raw `pct exec`, an Ansible ping through each connection, a copy of a
-small and an 8 MiB file through `cat`, and the round trips one task costs.
+Goals (this tree, largest size against one container): controller CPU per extra container <= 0.4 s for a
+deploy and <= 0.25 s for a no-change deploy and for `status.yml`; a no-change deploy <= 3x one
+container's wall.
+
+On the largest sim, before its deploys, the connection alone (`--no-probes` skips it): raw ssh, raw `pct
+exec`, an Ansible ping through each connection, a copy of a small and an 8 MiB file through `cat`, and
+the round trips one task costs.
 
 Provisioning (`provision.yml`, after the deploys; `--provision-sizes`, `--no-provision`): each size
 gets a fresh sim whose nodes have one container without GPUs each, and that many new containers in
@@ -25,15 +28,14 @@ the inventory spread over the nodes, one GPU each; reported per size: the wall t
 creates them (pct create, start, the NVIDIA user-space tools, the GPU check), its ratio to one
 container, and the wall time of the second run (nothing to change).
 
-    python -m benchmarks.fleet                     # sizes 1 2 4 8, provisioning 1 and 8
-    python -m benchmarks.fleet --sizes 1 8 --no-probes
-    python -m benchmarks.fleet --sizes 1 8 --serial 100% --with-start
+    python -m benchmarks.fleet                               # sizes 1 8 32, provisioning 1 and 8
+    python -m benchmarks.fleet --baseline main --no-provision --no-probes
+    python -m benchmarks.fleet --sizes 1 8 --per-node 4
 """
 
 from __future__ import annotations
 
 import argparse
-import configparser
 import json
 import os
 import shutil
@@ -42,43 +44,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import simbench
-from benchmarks.simbench import CATEGORIES, median
-from pvesim.fleet import REPO
+from benchmarks import sidebyside, simbench
+from benchmarks.simbench import median
 
 FIRST_VMID = 200
 PROVISION_VARS = dict(proxmox_provision_cores=2, proxmox_provision_memory=4096,
                       proxmox_provision_rootfs_size=8)
-START = "run start + health (waits, polls, gpu_verify)"
+# The plays measured on each tree, in this order, each with its arguments.
+PLAYS = (("deploy", "deploy.yml", ("-e", "dflash_fleet_start_run=false")),
+         ("no-change deploy", "deploy.yml", ("-e", "dflash_fleet_start_run=false")),
+         ("status", "status.yml", ()))
+# Goals of this tree: CPU seconds per container past the first, by play; the no-change deploy's wall at
+# the largest size against one container's.
+CPU_GOALS = {"deploy": 0.4, "no-change deploy": 0.25, "status": 0.25}
+NOOP_WALL_GOAL = 3.0
 
 
-def configured_forks() -> int:
-    """The forks of the project's ansible.cfg (Ansible's own default, 5, when it sets none)."""
-    cfg = configparser.ConfigParser()
-    cfg.read(REPO / "ansible.cfg")
-    return cfg.getint("defaults", "forks", fallback=5)
-
-
-def payload_bytes(rows: list[simbench.TaskRun]) -> dict:
-    """Bytes of the release archive (base64) that ride in each container's task arguments."""
-    out = {}
-    for row in rows:
-        for result in row.hosts.values():
-            try:
-                built = json.loads(result.get("stdout") or "")
-            except (json.JSONDecodeError, TypeError):
-                continue
-            if not isinstance(built, dict):
-                continue
-            # The batch's pack prints one object per host.
-            for found in (v for v in built.values() if isinstance(v, dict)):
-                if "archive_b64" in found and os.path.exists(found["archive_b64"]):
-                    out["archive_b64"] = os.path.getsize(found["archive_b64"])
-    return out
-
-
-def layout(n: int, nodes: int) -> tuple[int, list[int]]:
-    return min(nodes, n), list(range(FIRST_VMID, FIRST_VMID + n))
+def layout(n: int, per_node: int) -> tuple[int, list[int]]:
+    return max(1, -(-n // per_node)), list(range(FIRST_VMID, FIRST_VMID + n))
 
 
 def probe_connection(fleet, vmids, repeats: int) -> dict:
@@ -139,34 +122,36 @@ def probe_connection(fleet, vmids, repeats: int) -> dict:
     return out
 
 
-def run_size(n: int, args, work: Path, probes: bool) -> dict:
-    nodes, vmids = layout(n, args.nodes)
+def measure_trees(fleet, trees, vmids) -> dict:
+    """{tree label: {play: measured_play's figures}} of every tree on this sim, the containers and the
+    controller's release cache reset before each tree's first deploy."""
+    out = {}
+    for tree in trees:
+        sidebyside.reset_containers(fleet, vmids)
+        plays = {}
+        for name, playbook, play_args in PLAYS:
+            plays[name] = sidebyside.measured_play(fleet, tree, playbook, *play_args)
+            hosts = plays[name]["host_results"]
+            # The fewest: the first container also carries the play's run_once tasks.
+            plays[name]["tasks_per_container"] = min(hosts.get(f"ct{v}", 0) for v in vmids)
+            got = plays[name]
+            print(f"  {tree.label:<22} {name:<17} wall {got['wall_s']:>6.1f} s  controller CPU "
+                  f"{got['cpu_s']:>6.2f} s  nodes' CPU {got['nodes_cpu_s']:>6.2f} s  "
+                  f"tasks/ct {got['tasks_per_container']}", flush=True)
+        archives = sorted(fleet.build_dir.glob("*.tar.gz.b64"))
+        plays["deploy"]["archive_b64_bytes"] = archives[0].stat().st_size if archives else None
+        out[tree.label] = plays
+    return out
+
+
+def run_size(n: int, args, trees, work: Path, probes: bool) -> dict:
+    nodes, vmids = layout(n, args.per_node)
     base = Path(tempfile.mkdtemp(prefix=f"size{n}-", dir=work))
-    hosts = [f"ct{v}" for v in vmids]
     fleet = simbench.bring_up(base, nodes, vmids)
     try:
         probe = probe_connection(fleet, vmids, args.probe_repeats) if probes else None
-        extra = ["-e", f"dflash_fleet_serial={args.serial}"] if args.serial else []
-        if not args.with_start:
-            extra += ["-e", "dflash_fleet_start_run=false"]
-        keep = args.keep_json / f"fleet-deploy-{n}.json" if args.keep_json else None
-        load_before = os.getloadavg()[0]
-        wall, res = simbench.timed_play(fleet, "deploy.yml", *extra, keep_json=keep)
-        rows = res.tasks
-        cats = simbench.summarize_categories(rows)
-        start_s = cats[START]["seconds"]
-        batches = len([name for name in res.plays if name.startswith("Deploy")])
-        remote = simbench.remote_task_seconds(rows)
-        return {
-            "containers": n, "nodes": nodes, "batches": batches, "deploy_s": round(wall, 1),
-            "run_start_s": round(start_s, 1), "deploy_without_start_s": round(wall - start_s, 1),
-            "tasks_run": sum(1 for r in rows if r.ran),
-            "cheap_container_task_s": median(remote),
-            "changed": simbench.recap(res, hosts),
-            "payload_bytes": payload_bytes(rows),
-            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "categories": cats, "probe": probe,
-        }
+        return {"containers": n, "nodes": nodes, "trees": measure_trees(fleet, trees, vmids),
+                "probe": probe}
     finally:
         fleet.down()
 
@@ -206,47 +191,64 @@ def print_provision_table(results: list[dict]) -> None:
               f"{r['changed']:>7} {r['again_s']:>8.1f} {r['changed_again']:>7} {load:>17}")
 
 
-def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
-    one = results[0]
-    start_head = f" {'run start s':>11} {'w/o start s':>11} {'x one':>6}" if with_start else ""
-    head = (f"\n{'containers':>10} {'nodes':>5} {'batches':>7} {'deploy s':>9} {'x one':>6}{start_head} "
-            f"{'tasks':>6} {'cheap task s':>12} {'load before/after':>17}")
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        r["ratio"] = round(r["deploy_s"] / one["deploy_s"], 2)
-        r["ratio_without_start"] = round(r["deploy_without_start_s"] / one["deploy_without_start_s"], 2)
-        start_cells = (f" {r['run_start_s']:>11.1f} {r['deploy_without_start_s']:>11.1f} "
-                       f"{r['ratio_without_start']:>6.2f}") if with_start else ""
-        load = "/".join(f"{x:.1f}" for x in r["loadavg_1min"])
-        print(f"{r['containers']:>10} {r['nodes']:>5} {r['batches']:>7} {r['deploy_s']:>9.1f} "
-              f"{r['ratio']:>6.2f}{start_cells} {r['tasks_run']:>6} "
-              f"{r['cheap_container_task_s'] or 0:>12.2f} {load:>17}")
+def per_extra_container(results, label, play, key="cpu_s"):
+    """{size: (figure at size - figure at the first size) / (size - first size)} past the first size."""
+    first = results[0]
+    base, one = first["trees"][label][play][key], first["containers"]
+    return {r["containers"]: round((r["trees"][label][play][key] - base) / (r["containers"] - one), 3)
+            for r in results[1:]}
 
-    print("\nwhere the time goes: sum of task wall times (a task's time is its slowest host in the batch);")
-    print("s/n/m: seconds over n task runs, m seconds a task run")
-    head = f"{'kind of work':<52}" + "".join(f" {str(r['containers']) + ' ct':>19}" for r in results)
-    print(head)
-    print("-" * len(head))
-    for cat in CATEGORIES:
-        if not any(r["categories"][cat]["tasks"] for r in results):
-            continue
-        cells = ""
-        for r in results:
-            c = r["categories"][cat]
-            each = c["seconds"] / c["tasks"] if c["tasks"] else 0
-            cells += f" {c['seconds']:>7.1f}s/{c['tasks']:<3}/{each:<5.2f}"
-        print(f"{cat:<52}{cells}")
-    rest = "".join(f" {r['deploy_s'] - sum(c['seconds'] for c in r['categories'].values()):>7.1f}s"
-                   + " " * 11 for r in results)
-    print(f"{'ansible-playbook start, inventory, between tasks':<52}{rest}")
-    sizes = one["payload_bytes"]
-    if sizes:
-        print("bytes in each container's task arguments (base64, no separate transfer): "
-              + ", ".join(f"{k.removesuffix('_b64')} {v / 1024:.0f} KiB" for k, v in sorted(sizes.items())))
 
-    probe = next((r["probe"] for r in results if r["probe"]), None)
-    if probe:
+def print_tables(results: list[dict], labels: list[str]) -> dict:
+    sizes = [r["containers"] for r in results]
+    head = (f"\n{'play':<17} {'tree':<22}" + "".join(f" {f'{n} ct: CPU s (wall s)':>22}" for n in sizes)
+            + "".join(f" {'per extra ct @' + str(n):>16}" for n in sizes[1:]) + f" {'tasks/ct':>8}")
+    print("controller CPU seconds of the ansible-playbook process tree, wall seconds in brackets; per extra "
+          "container: (CPU at N - CPU at one) / (N - 1)" + head)
+    print("-" * len(head))
+    verdicts, slopes = {}, {}
+    for play, _, _ in PLAYS:
+        for label in labels:
+            got = [r["trees"][label][play] for r in results]
+            cells = "".join(f" {g['cpu_s']:>12.2f} ({g['wall_s']:>6.1f})" for g in got)
+            slope = per_extra_container(results, label, play) if len(results) > 1 else {}
+            slopes.setdefault(label, {})[play] = slope
+            tasks = results[-1]["trees"][label][play]["tasks_per_container"]
+            print(f"{play:<17} {label:<22}{cells}" + "".join(f" {slope[n]:>16.3f}" for n in sizes[1:])
+                  + f" {tasks:>8}")
+    this = labels[-1]
+    if len(labels) > 1:
+        print(f"\n{this} against {labels[0]}: CPU ratio (lower is less controller work)")
+        for play, _, _ in PLAYS:
+            ratios = [r["trees"][this][play]["cpu_s"] / r["trees"][labels[0]][play]["cpu_s"] for r in results]
+            print(f"  {play:<17}" + "".join(f" {n} ct {x:.2f}x" for n, x in zip(sizes, ratios, strict=True)))
+
+    def loads(r):
+        return ", ".join("/".join(f"{x:.1f}" for x in r["trees"][this][play]["loadavg_1min"])
+                         for play, _, _ in PLAYS)
+
+    print("\nload average (1 min) before/after each play, this tree: "
+          + "; ".join(f"{r['containers']} ct {loads(r)}" for r in results))
+    print("the simulated nodes' CPU seconds meanwhile (sshd, pct, lxc-attach, the modules in the containers; "
+          "a real fleet's nodes have their own CPUs), this tree: " + "; ".join(
+              f"{r['containers']} ct " + ", ".join(f"{play} {r['trees'][this][play]['nodes_cpu_s']:.1f}"
+                                                 for play, _, _ in PLAYS) for r in results))
+    if len(results) > 1:
+        largest = results[-1]["containers"]
+        for play, goal in CPU_GOALS.items():
+            got = slopes[this][play][largest]
+            verdicts[play] = got <= goal
+            print(f"goal: {play} controller CPU per extra container <= {goal} s at {largest} ct: {got:.3f} s "
+                  f"{'MET' if got <= goal else 'MISSED'}")
+        noop = [r["trees"][this]["no-change deploy"]["wall_s"] for r in (results[0], results[-1])]
+        verdicts["no-change wall"] = noop[1] <= NOOP_WALL_GOAL * noop[0]
+        print(f"goal: no-change deploy of {largest} ct <= {NOOP_WALL_GOAL:g}x one container's wall: "
+              f"{noop[1]:.1f} s / {noop[0]:.1f} s = {noop[1] / noop[0]:.2f}x "
+              f"{'MET' if verdicts['no-change wall'] else 'MISSED'}")
+    return {"per_extra_container_cpu_s": slopes, "goals_met": verdicts}
+
+
+def print_probe(probe: dict) -> None:
         print(f"\nconnection alone ({probe['containers_pinged']}-container sim, before its deploy; medians)")
         for key, label in (
             ("ssh_node_true_s", "ssh node true"),
@@ -258,7 +260,7 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
             ("ansible_ct_copy_small_s", "ansible CT -m copy, a few bytes"),
             ("ansible_ct_copy_8mib_s", "ansible CT -m copy, 8 MiB"),
             ("ansible_all_ct_ping_s",
-             f"ansible all {probe['containers_pinged']} CTs -m ping (forks {configured_forks()})"),
+             f"ansible all {probe['containers_pinged']} CTs -m ping (forks {sidebyside.THIS_TREE.forks})"),
         ):
             print(f"  {label:<50} {probe[key]:>6.2f} s")
         print(f"  round trips: ping {probe['ping_connections']} ssh connection(s), "
@@ -270,34 +272,21 @@ def print_tables(results: list[dict], target: float, with_start: bool) -> dict:
               + (f"cat moves about {probe['cat_mib_per_s']} MiB/s" if probe["cat_mib_per_s"]
                  else "8 MiB through cat costs no more than a few bytes: the round trips are the cost"))
 
-    last = results[-1]
-    verdict = last["ratio"] <= target
-    what = "with the run's start" if with_start else "deploy.yml without the run's start"
-    print(f"\ntarget: {last['containers']} containers <= {target}x one ({what}): {last['ratio']:.2f}x "
-          f"{'PASS' if verdict else 'FAIL'}"
-          + (f" (start taken out: {last['ratio_without_start']:.2f}x)" if with_start else ""))
-    return {"target_ratio": target, "target_pass": verdict}
-
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32],
                         help="numbers of containers, each in a fresh sim (the first is the reference)")
-    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (fewer when fewer containers)")
-    parser.add_argument("--serial", default=None,
-                        help="pass -e dflash_fleet_serial=VALUE (default: the playbook's: 100%% without "
-                             "the run's start, [1, '100%%'] with it)")
-    parser.add_argument("--with-start", action="store_true",
-                        help="let deploy.yml start the run too (its start and health shown apart)")
+    parser.add_argument("--per-node", type=int, default=4, help="containers a simulated node")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also run this git revision's playbooks and collection, side by side")
     parser.add_argument("--no-probes", action="store_true", help="skip the connection-alone timings")
     parser.add_argument("--probe-repeats", type=int, default=3, help="repeats of each connection timing")
-    parser.add_argument("--target", type=float, default=2.5, help="largest size's allowed ratio to the first")
     parser.add_argument("--provision-sizes", type=int, nargs="+", default=[1, 8],
                         help="numbers of new containers provision.yml creates, each in a fresh sim")
+    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes of the provisioning sims")
     parser.add_argument("--no-provision", action="store_true", help="skip the provisioning measurement")
     parser.add_argument("--no-deploy", action="store_true", help="skip the deploy measurement")
-    parser.add_argument("--keep-json", type=Path, default=None,
-                        help="write each play's task runs and recap (JSON) to this directory")
     return parser.parse_args(argv)
 
 
@@ -307,27 +296,32 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-fleet-"))
     started = time.monotonic()
     load_start = [round(x, 2) for x in os.getloadavg()]
-    results, provisioned = [], []
+    results, provisioned, trees, forks = [], [], [], {}
     try:
+        trees = ([sidebyside.baseline(args.baseline, work)] if args.baseline else []) + [sidebyside.THIS_TREE]
+        forks = {tree.label: tree.forks for tree in trees}
         for n in [] if args.no_deploy else sizes:
-            run = " with the run's start" if args.with_start else ""
-            print(f"deploy.yml to {n} container(s){run} ...", flush=True)
-            results.append(run_size(n, args, work, probes=not args.no_probes and n == sizes[-1]))
-            print(f"  {results[-1]['deploy_s']} s", flush=True)
+            nodes, _ = layout(n, args.per_node)
+            print(f"{n} container(s) on {nodes} node(s): deploy.yml, no-change deploy.yml, status.yml ...",
+                  flush=True)
+            results.append(run_size(n, args, trees, work, probes=not args.no_probes and n == sizes[-1]))
         for n in [] if args.no_provision else sorted(set(args.provision_sizes)):
             print(f"provision.yml creating {n} container(s) ...", flush=True)
             provisioned.append(provision_size(n, args, work))
             print(f"  {provisioned[-1]['provision_s']} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdict = print_tables(results, args.target, args.with_start) if results else {}
+    labels = [tree.label for tree in trees]
+    verdict = print_tables(results, labels) if results else {}
+    probe = next((r["probe"] for r in results if r["probe"]), None)
+    if probe:
+        print_probe(probe)
     if provisioned:
         print_provision_table(provisioned)
     print(json.dumps({
         "benchmark": "fleet", "cpus": os.cpu_count(), "loadavg_start": load_start,
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "forks": configured_forks(),
-        "serial": args.serial or ("[1, '100%']" if args.with_start else "100%") + " (playbook default)",
-        "run_started": args.with_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "forks": forks, "per_node": args.per_node,
         "sizes": results, "provision": provisioned, **verdict,
         "total_s": round(time.monotonic() - started, 1),
     }))

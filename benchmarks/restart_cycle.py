@@ -16,6 +16,10 @@ run going; then, `--repeats` times:
   and checked: the new run resumed from the checkpoint the old one wrote when it stopped;
 - a no-change `deploy.yml`: wall time and `changed` from the play recap (expected 0, same pid).
 
+With `--baseline REV` that revision's playbooks and collection (`benchmarks/sidebyside.py`) take turns
+with this tree's on the same run: each repeat restarts with the baseline, then with this tree (each
+restart stops the run the other started), then the no-change deploys: both sides measured in one run.
+
 Reference row: the seeds' hand ritual, scripted against the same container: ssh to the node,
 `pct exec 200 -- bash -lc 'pkill -f <trainer> || true; sleep 5; nvidia-smi ...'`, a copy of the
 changed file to the node's /root, and a start with `nohup ... &`. It is fast because it checks
@@ -23,14 +27,16 @@ nothing; what it leaves unverified is listed next to it, with what this benchmar
 
 The GPU idle window of each restart: from the old run's last training step to the new run's first
 (its log's `step` events), split into the trainer's own stop, its own start and Ansible's share (the
-rest: the GPU idle check, the start task's connection, pauses). The restart does its deploy steps
-while the old run still trains, so they are outside the window.
+rest: the wait from the last step to the SIGTERM, the stop task's return, the GPU idle check, the start
+task's connection). The restart does its deploy steps while the old run still trains, so they are
+outside the window. (The stop's `seconds` come from the task that stopped: a stop of its own, or this
+tree's one call that stops, checks the GPUs idle under the run's lock and starts.)
 
-Targets: Ansible's part of a restart <= 15 s; the idle window <= the trainer's stop + start + 1.5 s;
+Targets (this tree): Ansible's part of a restart <= 15 s; Ansible's share of the idle window <= 0.5 s;
 a no-change deploy <= 10 s with changed=0.
 
     python -m benchmarks.restart_cycle                 # 2 repeats
-    python -m benchmarks.restart_cycle --repeats 5 --no-reference
+    python -m benchmarks.restart_cycle --repeats 5 --no-reference --baseline main
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import simbench
+from benchmarks import sidebyside, simbench
 from benchmarks.simbench import CATEGORIES, median
 from pvesim.fleet import REPO
 
-STOP_TASK = "Stop the run (the trainer checkpoints on SIGTERM)."
+# How a stop ended, in the result of the task that stopped the run: a stop of its own (a baseline's
+# roles), or the one call that stops, checks the GPUs idle and starts (this tree's).
+STOP_ENDS = ("terminated", "killed")
 LOG = "/var/log/dflash/main.log"
 RITUAL_LOG = "/var/log/dflash/ritual.log"
 # The seeds' pattern was the script's name (train_dflash_pipeline.py); here it is the trainer's module.
@@ -92,12 +100,18 @@ def wait_first_step(fleet, vmid, since: float, path=LOG, timeout=120) -> dict | 
         time.sleep(1)
 
 
-def measure_restart(fleet, vmid, keep_json, i) -> dict:
+def stop_result(res, host) -> dict:
+    """The result of the task that stopped the run (its `seconds`: SIGTERM to the run gone)."""
+    return next((result for _, name, result in res.host_results()
+                 if name == host and result.get("how") in STOP_ENDS), {})
+
+
+def measure_restart(fleet, vmid, keep_json, i, tree) -> dict:
     host = f"ct{vmid}"
     before = fleet.run_info(vmid)
-    keep = keep_json / f"restart-{i}.json" if keep_json else None
-    wall, res = simbench.timed_play(fleet, "restart_training.yml", keep_json=keep)
-    stop = res.results(STOP_TASK).get(host, {})
+    keep = keep_json / f"restart-{tree.label.split()[0]}-{i}.json" if keep_json else None
+    wall, res = simbench.timed_play(fleet, "restart_training.yml", keep_json=keep, tree=tree)
+    stop = stop_result(res, host)
     after = fleet.run_info(vmid)
     started_at = process_start(fleet, vmid, after["pid"])
     step = wait_first_step(fleet, vmid, started_at) if started_at else None
@@ -133,11 +147,11 @@ def measure_restart(fleet, vmid, keep_json, i) -> dict:
     }
 
 
-def measure_noop(fleet, vmid, keep_json, i) -> dict:
+def measure_noop(fleet, vmid, keep_json, i, tree) -> dict:
     host = f"ct{vmid}"
     before = fleet.run_info(vmid)
-    keep = keep_json / f"noop-{i}.json" if keep_json else None
-    wall, res = simbench.timed_play(fleet, "deploy.yml", keep_json=keep)
+    keep = keep_json / f"noop-{tree.label.split()[0]}-{i}.json" if keep_json else None
+    wall, res = simbench.timed_play(fleet, "deploy.yml", keep_json=keep, tree=tree)
     return {
         "wall_s": round(wall, 2),
         "changed": simbench.recap(res, [host])[host],
@@ -235,11 +249,22 @@ def parse_args(argv):
     parser.add_argument("--vmid", type=int, default=200, help="the container's id")
     parser.add_argument("--target-restart", type=float, default=15.0, help="Ansible's part of a restart, s")
     parser.add_argument("--target-noop", type=float, default=10.0, help="a no-change deploy, s")
-    parser.add_argument("--target-idle", type=float, default=1.5,
+    parser.add_argument("--target-idle", type=float, default=0.5,
                         help="the GPU idle window may exceed the trainer's own stop + start by this, s")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also restart with this git revision's playbooks and collection, taking turns")
     parser.add_argument("--keep-json", type=Path, default=None,
                         help="write each play's task runs and recap (JSON) to this directory")
     return parser.parse_args(argv)
+
+
+def medians(restarts, noops) -> dict:
+    med = {k: median([r[k] for r in restarts]) for k in
+           ("wall_s", "trainer_stop_s", "trainer_start_s", "ansible_s", "settle_pause_s", "idle_window_s",
+            "idle_ansible_s")}
+    med["noop_wall_s"] = median([n["wall_s"] for n in noops])
+    med["noop_changed"] = max(n["changed"] for n in noops)
+    return med
 
 
 def main(argv=None) -> int:
@@ -247,17 +272,24 @@ def main(argv=None) -> int:
     vmid = args.vmid
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-restart-"))
     began = time.monotonic()
+    trees = ([sidebyside.baseline(args.baseline, work)] if args.baseline else []) + [sidebyside.THIS_TREE]
+    labels = [tree.label for tree in trees]
     fleet = simbench.bring_up(work, 1, [vmid])
     try:
         print(f"deploy.yml to CT {vmid} (first deploy: venv, release, run) ...", flush=True)
         first_s, _ = simbench.timed_play(fleet, "deploy.yml")
-        restarts, noops = [], []
+        restarts, noops = {label: [] for label in labels}, {label: [] for label in labels}
+        # The trees take turns on the same run: each restart stops the run the other one started.
         for i in range(args.repeats):
-            restarts.append(measure_restart(fleet, vmid, args.keep_json, i))
-            print(f"  restart {i + 1}: {restarts[-1]['wall_s']} s", flush=True)
-            noops.append(measure_noop(fleet, vmid, args.keep_json, i))
-            print(f"  no-change deploy {i + 1}: {noops[-1]['wall_s']} s, changed={noops[-1]['changed']}",
-                  flush=True)
+            for tree in trees:
+                restarts[tree.label].append(measure_restart(fleet, vmid, args.keep_json, i, tree))
+                last = restarts[tree.label][-1]
+                print(f"  {tree.label}: restart {i + 1}: {last['wall_s']} s, GPU idle window "
+                      f"{last['idle_window_s']} s", flush=True)
+                noops[tree.label].append(measure_noop(fleet, vmid, args.keep_json, i, tree))
+                last = noops[tree.label][-1]
+                print(f"  {tree.label}: no-change deploy {i + 1}: {last['wall_s']} s, "
+                      f"changed={last['changed']}", flush=True)
         rituals = []
         if not args.no_reference:
             changed = work / "train.py"
@@ -271,22 +303,22 @@ def main(argv=None) -> int:
         Path(ritual_copy_path(work / "train.py")).unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
 
-    med = {k: median([r[k] for r in restarts]) for k in
-           ("wall_s", "trainer_stop_s", "trainer_start_s", "ansible_s", "settle_pause_s", "idle_window_s",
-            "idle_ansible_s")}
-    noop_wall = median([n["wall_s"] for n in noops])
-    noop_changed = max(n["changed"] for n in noops)
-    print(f"\nCT {vmid}, one node; first deploy {first_s:.1f} s; medians of {args.repeats} run(s)")
-    print(f"{'cycle':<34} {'wall s':>7} {'trainer stop':>12} {'trainer start':>13} {'ansible s':>9} "
+    med = {label: medians(restarts[label], noops[label]) for label in labels}
+    print(f"\nCT {vmid}, one node; first deploy {first_s:.1f} s; medians of {args.repeats} run(s) per tree, "
+          f"the trees taking turns")
+    print(f"{'cycle':<46} {'wall s':>7} {'trainer stop':>12} {'trainer start':>13} {'ansible s':>9} "
           f"{'changed':>7}  verified")
-    print("-" * 110)
-    print(f"{'restart_training.yml':<34} {med['wall_s']:>7.1f} {med['trainer_stop_s']:>12.1f} "
-          f"{med['trainer_start_s'] or 0:>13.1f} {med['ansible_s']:>9.1f} {restarts[0]['changed']:>7}  "
-          f"stop: {restarts[0]['stop_how']}; "
-          f"checkpoint on stop: {all(r['checkpoint_on_stop'] for r in restarts)}; "
-          f"resumed from it: {all(r['resumed_from_it'] for r in restarts)}; GPUs idle then busy")
-    print(f"{'deploy.yml, nothing changed':<34} {noop_wall:>7.1f} {'-':>12} {'-':>13} {noop_wall:>9.1f} "
-          f"{noop_changed:>7}  run kept (same pid): {all(n['same_pid'] for n in noops)}")
+    print("-" * 122)
+    for label in labels:
+        m, runs = med[label], restarts[label]
+        print(f"{'restart_training.yml, ' + label:<46} {m['wall_s']:>7.1f} {m['trainer_stop_s']:>12.1f} "
+              f"{m['trainer_start_s'] or 0:>13.1f} {m['ansible_s']:>9.1f} {runs[0]['changed']:>7}  "
+              f"stop: {runs[0]['stop_how']}; "
+              f"checkpoint on stop: {all(r['checkpoint_on_stop'] for r in runs)}; "
+              f"resumed from it: {all(r['resumed_from_it'] for r in runs)}; GPUs idle then busy")
+        print(f"{'deploy.yml, nothing changed, ' + label:<46} {m['noop_wall_s']:>7.1f} {'-':>12} {'-':>13} "
+              f"{m['noop_wall_s']:>9.1f} {m['noop_changed']:>7}  run kept (same pid): "
+              f"{all(n['same_pid'] for n in noops[label])}")
     if rituals:
         rmed = {k: median([r[k] for r in rituals]) for k in ("wall_s", "copy_s", "stop_s", "start_s")}
         r0 = rituals[0]
@@ -315,29 +347,39 @@ def main(argv=None) -> int:
         for what, seen in notes:
             print(f"  - {what}: {seen}")
 
-    category_table("restart_training.yml", restarts)
-    category_table("deploy.yml, nothing changed", noops)
+    for label in labels:
+        category_table(f"restart_training.yml, {label}", restarts[label])
+        category_table(f"deploy.yml, nothing changed, {label}", noops[label])
 
-    idle_limit = med["trainer_stop_s"] + (med["trainer_start_s"] or 0.0) + args.target_idle
-    idle_pass = med["idle_window_s"] is not None and med["idle_window_s"] <= idle_limit
-    print(f"\nGPU idle window of a restart (the old run's last training step to the new run's first), "
-          f"medians: {med['idle_window_s']} s; trainer stop {med['trainer_stop_s']} s + trainer start "
-          f"{med['trainer_start_s']} s + Ansible's share {med['idle_ansible_s']} s "
-          f"(per restart: {[r['idle_window_s'] for r in restarts]})")
-    restart_pass = med["ansible_s"] <= args.target_restart
-    noop_pass = noop_wall <= args.target_noop and noop_changed == 0
-    print(f"\ntarget: Ansible's part of a restart <= {args.target_restart:g} s: {med['ansible_s']:.1f} s "
-          f"{'PASS' if restart_pass else 'FAIL'}")
-    print(f"target: GPU idle window <= trainer stop + start + {args.target_idle:g} s ({idle_limit:.1f} s): "
-          f"{med['idle_window_s']} s {'PASS' if idle_pass else 'FAIL'}")
-    print(f"target: no-change deploy <= {args.target_noop:g} s with changed=0: {noop_wall:.1f} s, "
-          f"changed={noop_changed} {'PASS' if noop_pass else 'FAIL'}")
+    print("\nGPU idle window of a restart (the old run's last training step to the new run's first), "
+          "medians:")
+    for label in labels:
+        m = med[label]
+        print(f"  {label}: {m['idle_window_s']} s = trainer stop {m['trainer_stop_s']} s + trainer start "
+              f"{m['trainer_start_s']} s + Ansible's share {m['idle_ansible_s']} s "
+              f"(per restart: {[r['idle_window_s'] for r in restarts[label]]}, Ansible's share "
+              f"{[r['idle_ansible_s'] for r in restarts[label]]})")
+    this = med[labels[-1]]
+    if len(labels) > 1 and this["idle_ansible_s"] is not None and med[labels[0]]["idle_ansible_s"]:
+        print(f"  Ansible's share, {labels[-1]} / {labels[0]}: "
+              f"{this['idle_ansible_s'] / med[labels[0]]['idle_ansible_s']:.2f}x")
+    idle_pass = this["idle_ansible_s"] is not None and this["idle_ansible_s"] <= args.target_idle
+    restart_pass = this["ansible_s"] <= args.target_restart
+    noop_pass = this["noop_wall_s"] <= args.target_noop and this["noop_changed"] == 0
+    print(f"\ntarget ({labels[-1]}): Ansible's part of a restart <= {args.target_restart:g} s: "
+          f"{this['ansible_s']:.1f} s {'PASS' if restart_pass else 'FAIL'}")
+    print(f"target ({labels[-1]}): Ansible's share of the GPU idle window (the window less the trainer's "
+          f"stop and start) <= {args.target_idle:g} s: {this['idle_ansible_s']} s "
+          f"{'PASS' if idle_pass else 'FAIL'}")
+    print(f"target ({labels[-1]}): no-change deploy <= {args.target_noop:g} s with changed=0: "
+          f"{this['noop_wall_s']:.1f} s, changed={this['noop_changed']} "
+          f"{'PASS' if noop_pass else 'FAIL'}")
     print(json.dumps({
         "benchmark": "restart_cycle", "cpus": os.cpu_count(),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "vmid": vmid, "repeats": args.repeats,
         "first_deploy_s": round(first_s, 1),
-        "restart": {**med, "runs": restarts},
-        "noop_deploy": {"wall_s": noop_wall, "changed": noop_changed, "runs": noops},
+        "trees": {label: {**med[label], "restarts": restarts[label], "noop_deploys": noops[label]}
+                  for label in labels},
         "hand_ritual": ({"wall_s": median([r["wall_s"] for r in rituals]), "runs": rituals}
                         if rituals else None),
         "targets": {"restart_ansible_s": args.target_restart, "restart_pass": restart_pass,

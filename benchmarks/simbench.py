@@ -16,6 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks import sidebyside
 from pvesim import down
 from pvesim.fleet import Fleet, TaskRun, run_module
 
@@ -60,11 +61,15 @@ def timed(fn, *args, **kwargs):
     return time.monotonic() - started, out
 
 
-def timed_play(fleet: Fleet, playbook: str, *args, keep_json: Path | None = None, timeout=1200):
-    """(wall seconds, PlayResult) of one playbook run through ansible-runner, start to exit. The play's
-    task runs (from the event stream) and recap are also written to `keep_json` when given; a failed
-    play ends the benchmark with its output."""
-    wall, res = timed(fleet.play, playbook, *args, timeout=timeout)
+def timed_play(fleet: Fleet, playbook: str, *args, keep_json: Path | None = None, timeout=1200, tree=None):
+    """(wall seconds, PlayResult) of one playbook run through ansible-runner, start to exit: this tree's
+    playbook, or `tree`'s (a baseline's, `benchmarks.sidebyside`). The play's task runs (from the event
+    stream) and recap are also written to `keep_json` when given; a failed play ends the benchmark with
+    its output."""
+    if tree is None:
+        wall, res = timed(fleet.play, playbook, *args, timeout=timeout)
+    else:
+        wall, res = timed(sidebyside.tree_play, fleet, tree, playbook, *args, timeout=timeout)
     if keep_json:
         keep_json.parent.mkdir(parents=True, exist_ok=True)
         keep_json.write_text(json.dumps({"plays": res.plays, "stats": res.stats,

@@ -1,19 +1,19 @@
-"""Unit tests of gpu_verify's pure helpers (judging the GPUs, mapping processes to containers) on
-nvidia-smi output as real machines print it."""
+"""Unit tests of the GPU judging that gpu_verify and training_run's start share (module_utils/gpu_state:
+judging the GPUs, mapping processes to containers) on nvidia-smi output as real machines print it."""
 
 from __future__ import annotations
 
 import pytest
 from test_nvidia_smi import H100_APPS, H100_BUSY, H100_IDLE, PLACEHOLDER_ROWS
 
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import with_gpu_index
+from ansible_collections.dflash.ops.plugins.module_utils import gpu_state as gv
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import vmid_from_cgroup
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import COMPUTE_APPS, GPU_LOAD
-from ansible_collections.dflash.ops.plugins.modules import gpu_verify as gv
 
 
 def snapshot(gpu_output, apps_output=""):
     gpus = GPU_LOAD.parse(gpu_output)
-    return gpus, with_gpu_index(COMPUTE_APPS.parse(apps_output), gpus)
+    return gpus, gv.with_gpu_index(COMPUTE_APPS.parse(apps_output), gpus)
 
 
 def test_processes_get_their_gpu_index():
@@ -40,7 +40,7 @@ def test_processes_get_their_gpu_index():
     ],
 )
 def test_vmid_from_cgroup(cgroup, vmid):
-    assert gv.vmid_from_cgroup(cgroup) == vmid
+    assert vmid_from_cgroup(cgroup) == vmid
 
 
 def test_container_pid_is_the_innermost_nspid():

@@ -17,8 +17,8 @@ def load(path):
     return module
 
 
-pack_release = load(REPO / "ansible_collections" / "dflash" / "ops" / "roles" / "dflash_release" / "files"
-                    / "pack_release.py")
+pack_release = load(REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "plugin_utils"
+                    / "release_pack.py")
 
 
 def aged(path, days):
@@ -50,16 +50,15 @@ def test_packing_refreshes_the_archive_it_uses_and_prunes_the_stale_ones(tmp_pat
     code.mkdir()
     (code / "__init__.py").write_text("")
     build = tmp_path / "build"
-    request = {"code_dir": str(code), "dest_dir": str(build), "files": {"config.yaml": "a: 1\n"}}
-    first = pack_release.pack_all("rev", {"ct200": request})["ct200"]
+    first = pack_release.pack(str(code), str(build), "rev", {"config.yaml": "a: 1\n"})
     aged(first["archive"], days=3)
     aged(first["archive_b64"], days=3)
     monkeypatch.setattr(pack_release, "KEEP_ARCHIVES", 0)
     # Reused three days later: refreshed, so kept even with nothing else kept.
-    again = pack_release.pack_all("rev", {"ct200": request})["ct200"]
+    again = pack_release.pack(str(code), str(build), "rev", {"config.yaml": "a: 1\n"})
     assert again["id"] == first["id"] and os.path.exists(again["archive_b64"])
     assert time.time() - os.stat(again["archive"]).st_mtime < 60
     # A new config three days on: the old archive goes, the new one stays.
     aged(first["archive"], days=3)
-    other = pack_release.pack_all("rev", {"ct200": {**request, "files": {"config.yaml": "a: 2\n"}}})["ct200"]
+    other = pack_release.pack(str(code), str(build), "rev", {"config.yaml": "a: 2\n"})
     assert sorted(os.listdir(build)) == [f"{other['id']}.tar.gz", f"{other['id']}.tar.gz.b64"]

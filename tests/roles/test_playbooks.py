@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 CONTAINERS = (200, 201, 202, 203)
 HOSTS = [f"ct{v}" for v in CONTAINERS]
+# The start, or a restart's stop, idle check and start, in one call.
+RESTART_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +138,11 @@ def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fl
     assert not fleet.alive(201, old["pid"])
     group = fleet.ct(201, f"ps -o pid= -g {old['pgid']}").stdout.split()
     assert group == [], f"processes of the old run's group are left: {group}"
-    # The GPUs were idle between the stop and the start.
-    idle = res.results("Wait until the run's GPUs are idle.")["ct201"]
-    assert not idle.get("failed") and not [p for p in idle["processes"] if p["gpu_index"] in (0, 1)]
+    # The GPUs were idle between the stop and the start: the restart's one call checked them after the stop.
+    restart = res.results(RESTART_TASK)["ct201"]
+    assert restart["previous_pid"] == before[201]["pid"] and restart["how"] == "terminated", restart
+    idle = restart["gpu_idle"]
+    assert idle["met"] and not [p for p in idle["processes"] if p["gpu_index"] in (0, 1)], idle
     # The new run runs the new release and resumed from the old run's checkpoint.
     new = fleet.run_info(201)
     assert new["pid"] != old["pid"]

@@ -1,5 +1,5 @@
 """dflash_release_tree run the way Ansible runs a module (a JSON file of arguments, JSON on stdout), on
-local directories, with real release archives packed by the role's pack_release.py and validated by
+local directories, with real release archives packed by its action plugin's release_pack and validated by
 the trainer's own `python -m dflash.config validate` (its documentation: test_module_docs.py)."""
 
 import base64
@@ -15,7 +15,6 @@ import yaml
 from pvesim.fleet import REPO
 
 COLLECTION = REPO / "ansible_collections" / "dflash" / "ops"
-ROLE = COLLECTION / "roles" / "dflash_release"
 TREE = COLLECTION / "plugins" / "modules" / "dflash_release_tree.py"
 
 
@@ -26,7 +25,7 @@ def load(path):
     return module
 
 
-pack_release = load(ROLE / "files" / "pack_release.py")
+pack_release = load(COLLECTION / "plugins" / "plugin_utils" / "release_pack.py")
 dflash_release_tree = load(TREE)
 
 GOOD = {"model": {"target_path": "/srv/models/target"}, "data": {"path": "/srv/data/train.jsonl"},
@@ -228,10 +227,10 @@ def test_containers_that_render_the_same_files_share_one_release_packed_once(tmp
     code.mkdir()
     (code / "__init__.py").write_text("")
     build = tmp_path / "build"
-    request = {"code_dir": str(code), "dest_dir": str(build),
-               "files": {"config.yaml": "a: 1\n", "run.sh": ""}}
-    other = {**request, "files": {"config.yaml": "a: 2\n", "run.sh": ""}}
-    packed = pack_release.pack_all("rev", {"ct200": request, "ct201": dict(request), "ct202": other})
+    same, other = {"config.yaml": "a: 1\n", "run.sh": ""}, {"config.yaml": "a: 2\n", "run.sh": ""}
+    # Each container's task packs its own; the first packer of a release writes it, the others reuse it.
+    packed = {host: pack_release.pack(str(code), str(build), "rev", files)
+              for host, files in (("ct200", same), ("ct201", dict(same)), ("ct202", other))}
     assert packed["ct200"] == packed["ct201"] and packed["ct202"]["id"] != packed["ct200"]["id"]
     assert sorted(os.listdir(build)) == sorted(f"{packed[h]['id']}.tar.gz{ext}" for h in ("ct200", "ct202")
                                                for ext in ("", ".b64"))

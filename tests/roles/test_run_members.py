@@ -58,7 +58,7 @@ def test_deploy_starts_one_run_across_both_members(fleet):
     res = fleet.play("deploy.yml")
     assert res.rc == 0, res
     # Both started in one task, each waiting for its own first step (global ranks member by member).
-    started = res.results("Start the run from the live release and wait for its first training step.")
+    started = res.results("Start the run once its GPUs are idle, and wait for its first training step.")
     assert set(started) == set(HOSTS)
     assert [workers(fleet, v) for v in CONTAINERS] == [["drafter0", "target0"], ["drafter1", "target1"]]
     assert all(fleet.status(v)["step"] >= 1 for v in CONTAINERS)

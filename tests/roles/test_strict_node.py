@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 USER = "ansible"
 LOGIN = re.compile(r"Accepted publickey for (\S+) from")
+# The start, or a restart's stop, GPU idle check and start, in one call.
+START_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +70,10 @@ def test_a_container_given_the_same_gpus_fails_at_once_naming_them_and_the_holde
     for index in (0, 1):
         assert f"GPU {index} ({gpus[index]}) by CT 200 (pid " in messages, messages
     assert "Two containers are given the same GPU: stop what runs there (CT 200)" in messages
-    # It failed in the node check, before the GPU wait (dflash_run_gpu_timeout) could start.
+    # It failed in the node check, before the start's GPU wait (dflash_run_gpu_timeout) could begin.
     check = next(t for t in res.tasks if t.name.endswith("Check the container on its Proxmox node."))
     assert check.hosts["ct201"].get("failed") and check.seconds < 30
-    assert not res.results("Wait until the run's GPUs are idle.")
+    assert not res.results(START_TASK)
     # CT 200's run is untouched; CT 201 got nothing.
     assert fleet.run_info(200) == run and fleet.alive(200, run["pid"])
     assert fleet.run_info(201) is None and fleet.live_release(201) == ""
@@ -83,8 +85,9 @@ def test_restart_as_the_node_user(fleet):
     assert res.rc == 0, res
     new = fleet.run_info(200)
     assert new["pid"] != old["pid"] and fleet.alive(200, new["pid"]) and not fleet.alive(200, old["pid"])
-    # Between the stop and the start the GPUs were idle, and the new run holds them (its own pid listed).
-    assert res.results("Wait until the run's GPUs are idle.")["ct200"]["processes"] == []
+    # Between the stop and the start the GPUs were idle (the restart's one call checked), and the new run
+    # holds them (its own pid listed).
+    assert res.results(START_TASK)["ct200"]["gpu_idle"]["processes"] == []
     busy = res.results("Wait until the run's GPUs are busy.")["ct200"]
     assert {p["pid"] for p in busy["processes"]} == {new["pid"]}
 

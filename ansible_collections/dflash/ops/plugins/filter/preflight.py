@@ -9,19 +9,23 @@ DOCUMENTATION = r"""
 name: preflight
 author: dflash-ops contributors (@dflash-ops)
 version_added: "0.2.0"
-short_description: A training container's inventory and variables checked before any connection
+short_description: The training containers' inventory and variables checked before any connection
 description:
-  - Runs one family of the checks of C(playbooks/preflight.yml) for one training container, on the
-    controller, from the inventory alone; nothing is connected to.
-  - Returns the problems found as sentences that name the variable, its value and the fix; an empty list
-    when there is none. The playbook fails with the container's name, a colon and the sentences.
+  - Runs the checks of C(playbooks/preflight.yml) (every family, or the one O(check) names) for the training
+    containers of a play, on the controller, from the inventory alone; nothing is connected to.
+  - Returns one line per container with problems, its name, a colon and the sentences, each naming the
+    variable, its value and the fix; an empty list when there is none.
+  - One call checks the whole play (the playbook runs it once, not once per container); the argument
+    spec validator is built once and each container's variables are read once.
 options:
   _input:
-    description: The inventory name of the training container.
-    type: str
+    description: The inventory names of the training containers (one name is a list of one).
+    type: list
+    elements: str
     required: true
   check:
     description:
+      - The family of checks to run; all of them, in this order, when omitted.
       - V(inventory) - C(proxmox_vmid), C(proxmox_node), C(ansible_connection), and the container's
         C(ansible_host) and C(ansible_port), which must be its node's.
       - V(run_members) - a run across containers (C(dflash_run_members)) is declared alike on all its
@@ -31,7 +35,6 @@ options:
       - V(run_name_and_paths) - C(dflash_run_name) is a plain file name, and the role variables that are
         paths in the container or on its node are absolute.
     type: str
-    required: true
     choices: [inventory, run_members, variable_types, variable_names, run_name_and_paths]
   hostvars:
     description: The play's C(hostvars).
@@ -57,18 +60,22 @@ options:
 """
 
 EXAMPLES = r"""
-- name: Check each container's inventory entry.
-  ansible.builtin.assert:
-    that: __problems | length == 0
-    fail_msg: "{{ item }}: {{ __problems | join(' ') }}"
-  loop: "{{ groups['training_containers'] }}"
+- name: Check every container's inventory entry (one pass for the play).
+  ansible.builtin.fail:
+    msg: "{{ __problems | join('\n') }}"
+  when: __problems | length > 0
+  run_once: true
   vars:
-    __problems: "{{ item | dflash.ops.preflight('inventory', hostvars=hostvars, groups=groups) }}"
+    __problems: >-
+      {{ groups['training_containers']
+         | dflash.ops.preflight('inventory', hostvars=hostvars, groups=groups) }}
 """
 
 RETURN = r"""
 _value:
-  description: The problems, each a sentence naming the variable, its value and the fix; empty when none.
+  description:
+    - One line per container with problems, its name, a colon and the sentences; each sentence names the
+      variable, its value and the fix. Empty when there is none.
   type: list
   elements: str
 """
@@ -76,6 +83,7 @@ _value:
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 
 from ansible.errors import AnsibleFilterError
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
@@ -159,16 +167,33 @@ def run_members_problems(host, hostvars, groups, play_hosts):
     return problems
 
 
+def plain(value):
+    """A variable's value as plain Python data, without Ansible's lazy containers and tags: the argument
+    spec validator deep-copies what it is given, and deep-copying those costs far more than the check."""
+    if isinstance(value, Mapping):
+        return {plain(key): plain(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(plain(item) for item in value)
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    for kind in (bool, int, float, str):  # bool before int: True is an int too
+        if isinstance(value, kind):
+            return kind(value) if kind is not str else str.__str__(value)
+    return value
+
+
 def role_variables(host_vars, specs):
-    """The role options set for a host (inventory, -e), with their values."""
-    return {name: host_vars[name] for name in specs if name in host_vars}
+    """The role options set for a host (inventory, -e), with their values as plain data."""
+    return {name: plain(host_vars[name]) for name in specs if name in host_vars}
 
 
-def variable_type_problems(host_vars, specs):
+def variable_type_problems(host_vars, specs, validator=None):
     """The role variables set for a host that do not have the type or a value their spec allows, in
-    the words of Ansible's own argument spec validation (the roles' validation at their start)."""
-    errors = ArgumentSpecValidator(specs).validate(role_variables(host_vars, specs),
-                                                   validate_role_argument_spec=True).error_messages
+    the words of Ansible's own argument spec validation (the roles' validation at their start).
+    `validator`: an ArgumentSpecValidator of `specs`, built once for many hosts."""
+    validator = validator or ArgumentSpecValidator(plain(specs))
+    result = validator.validate(role_variables(host_vars, specs), validate_role_argument_spec=True)
+    errors = result.error_messages
     if not errors:
         return []
     return [f"{'; '.join(errors)}. Fix the value in the inventory (group_vars, host_vars) or in -e; each "
@@ -219,19 +244,49 @@ def container_paths(spec, value):
     return []
 
 
-def preflight(host, check, hostvars, groups=None, play_hosts=None, specs=None, roles=None):
-    """The problems of one check family (the filter's `check`) for training container `host`."""
-    if check == "inventory":
-        return container_problems(host, hostvars, groups or {})
-    if check == "run_members":
-        return run_members_problems(host, hostvars, groups or {}, play_hosts or [])
-    if check == "variable_types":
-        return variable_type_problems(hostvars[host], specs or {})
-    if check == "variable_names":
-        return variable_name_problems(hostvars[host], specs or {}, roles or [])
-    if check == "run_name_and_paths":
-        return run_name_and_path_problems(hostvars[host], specs or {})
-    raise AnsibleFilterError(f"dflash.ops.preflight has no check {check!r} (it has {', '.join(CHECKS)})")
+class HostCheck:
+    """The check families for one training container; its role variables are read once for all of them."""
+
+    def __init__(self, host, hostvars, groups, play_hosts, specs, roles, validator):
+        self.host, self.hostvars, self.groups, self.play_hosts = host, hostvars, groups, play_hosts
+        self.specs, self.roles, self.validator = specs, roles, validator
+        self.host_vars = hostvars[host]
+        self._set_vars = None
+
+    @property
+    def set_vars(self):
+        if self._set_vars is None:
+            self._set_vars = role_variables(self.host_vars, self.specs)
+        return self._set_vars
+
+    def problems(self, family):
+        if family == "inventory":
+            return container_problems(self.host, self.hostvars, self.groups)
+        if family == "run_members":
+            return run_members_problems(self.host, self.hostvars, self.groups, self.play_hosts)
+        if family == "variable_types":
+            return variable_type_problems(self.set_vars, self.specs, self.validator)
+        if family == "variable_names":
+            return variable_name_problems(self.host_vars, self.specs, self.roles)
+        return run_name_and_path_problems(self.set_vars, self.specs)
+
+
+def preflight(hosts, check=None, hostvars=None, groups=None, play_hosts=None, specs=None, roles=None):
+    """One line per training container of `hosts` with problems, "<host>: <sentences>", from the check
+    family `check` (the filter's option) or, without it, every family in the order of CHECKS."""
+    if check is not None and check not in CHECKS:
+        raise AnsibleFilterError(f"dflash.ops.preflight has no check {check!r} (it has {', '.join(CHECKS)})")
+    specs = plain(specs or {})
+    validator = ArgumentSpecValidator(specs) if check in (None, "variable_types") else None
+    families = [check] if check else CHECKS
+    lines = []
+    for host in [hosts] if isinstance(hosts, str) else hosts:
+        checked = HostCheck(host, hostvars or {}, groups or {}, play_hosts or [], specs, roles or [],
+                            validator)
+        problems = [problem for family in families for problem in checked.problems(family)]
+        if problems:
+            lines.append(f"{host}: {' '.join(problems)}")
+    return lines
 
 
 class FilterModule:

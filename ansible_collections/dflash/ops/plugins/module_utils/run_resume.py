@@ -28,10 +28,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import time
 from datetime import datetime, timezone
 
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import observe, unmet
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     RunError,
@@ -77,7 +76,7 @@ def ended_by_itself(status):
     return None
 
 
-def idle_problems(spec, executable=None, clock=time.monotonic, sleep=time.sleep):
+def idle_problems(spec, executable=None):
     """[] once the run's GPUs are idle, else why not when spec's gpu_timeout ran out."""
     gpus = spec.get("gpus") or []
     if not gpus:
@@ -85,13 +84,10 @@ def idle_problems(spec, executable=None, clock=time.monotonic, sleep=time.sleep)
     executable = executable or find_executable()
     if executable is None:
         return ["nvidia-smi is not installed in the container"]
-    deadline = clock() + float(spec.get("gpu_timeout", 120))
-    while True:
-        listed, processes = observe(executable)
-        problems = unmet("idle", listed, processes, gpus, int(spec.get("max_memory_mib", 256)), None)
-        if not problems or clock() >= deadline:
-            return problems
-        sleep(GPU_POLL_SECONDS)
+    # In the container nvidia-smi's pids are the node's: nothing to map them to here.
+    seen = poll(executable, "idle", gpus, int(spec.get("max_memory_mib", 256)),
+                timeout=float(spec.get("gpu_timeout", 120)), interval=GPU_POLL_SECONDS, map_vmids=False)
+    return seen["reasons"]
 
 
 def outcome(spec, what, msg, **extra):

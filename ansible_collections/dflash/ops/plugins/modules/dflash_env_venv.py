@@ -46,6 +46,13 @@ options:
     type: list
     elements: str
     default: []
+  missing_hint:
+    description:
+      - When set, a venv that does not find some of O(check_imports) fails the task, with a message that
+        names them and ends with this hint (what to set so that it finds them). Empty, they are only
+        reported in RV(missing).
+    type: str
+    default: ""
 """
 
 EXAMPLES = r"""
@@ -84,6 +91,7 @@ ARGUMENT_SPEC = {
     "python": {"type": "path", "default": "/usr/bin/python3"},
     "site_packages": {"type": "list", "elements": "path", "default": []},
     "check_imports": {"type": "list", "elements": "str", "default": []},
+    "missing_hint": {"type": "str", "default": ""},
 }
 # What an earlier version installed: the project's wheel and the marker of its build.
 OLD_DIST = "dflash_ops"
@@ -192,7 +200,11 @@ def main():
                 os.unlink(os.path.join(venv, OLD_MARKER))
 
     missing = probe(module, venv, p["check_imports"])["missing"] if p["check_imports"] else []
-    module.exit_json(changed=bool(actions), actions=actions, purelib=purelib, missing=missing)
+    result = dict(changed=bool(actions), actions=actions, purelib=purelib, missing=missing)
+    if missing and p["missing_hint"]:
+        module.fail_json(msg=f"The venv {venv} does not find {', '.join(missing)}. {p['missing_hint']}",
+                         **result)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ description:
     C(current) is switched atomically (a new symlink renamed over the old one), and the newest O(keep)
     releases are kept (the live and the previous one always), removing staging leftovers.
   - The live release is left as it is (checked only), so an unchanged deploy changes nothing.
+  - Its action plugin runs on the controller first. With O(build) it packs the release there (the
+    trainer's code and this container's files rendered from templates, in a cache of archives shared by
+    the deploy's processes, so that containers with the same files share one archive) and passes it as
+    O(content),
+    with O(release) named after its content hash. After the call it fails a release that does not
+    validate with the trainer's words and the variable to fix (O(fix_variables)).
   - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
     all owned by the module's user; links, devices and paths outside the directory are refused.
 version_added: "0.1.0"
@@ -50,11 +56,27 @@ options:
     required: true
   release:
     description:
-      The release's directory, C(<root>/releases/<id>). Required with V(live), not given with V(previous).
+      - The release's directory, C(<root>/releases/<id>). Required with V(live) unless O(build) names it;
+        not given with V(previous).
     type: path
   content:
     description: The release archive (tar.gz), base64, unpacked when the release does not exist yet.
     type: str
+  build:
+    description:
+      - The release to pack on the controller (by the action plugin) in place of O(release) and O(content)
+        - C(code_dir) the trainer's package, C(dest_dir) the controller's archive cache, C(exclude) files of
+        the package that never ship, C(revision) the source revision recorded in C(REVISION), C(templates)
+        {name in the release - template} of the files rendered with the task's variables (the role's
+        C(templates/) directory).
+    type: dict
+  fix_variables:
+    description:
+      - For the failure of a release that does not validate - the inventory variable that sets each config
+        key (V(pipeline.target_gpus) - V(dflash_release_target_gpus)); a key without one is named as a key
+        of C(dflash_release_settings). Used on the controller only.
+    type: dict
+    default: {}
   validate_argv:
     description:
       - The command that validates a release before it goes live, as an argument list; every C(%s) in
@@ -73,21 +95,29 @@ options:
 """
 
 EXAMPLES = r"""
-- name: Ensure the release is live (unpacked and validated first when it is new).
+- name: Ensure the release is live (packed on the controller, unpacked and validated first when it is new).
+  dflash.ops.dflash_release_tree:
+    root: /opt/dflash
+    build:
+      code_dir: /srv/dflash-ops/dflash
+      dest_dir: /srv/dflash-ops/.cache/releases
+      revision: v1.2.0
+      templates:
+        config.yaml: config.yaml.j2
+        run.sh: run.sh.j2
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, --json, "%s/config.yaml"]
+    validate_environment:
+      PYTHONPATH: "%s"
+    fix_variables:
+      data.path: dflash_release_data_path
+    keep: 3
+  register: release
+
+- name: Ensure a release packed elsewhere is live.
   dflash.ops.dflash_release_tree:
     root: /opt/dflash
     release: /opt/dflash/releases/0123456789ab
     content: "{{ lookup('ansible.builtin.file', '/tmp/0123456789ab.tar.gz.b64') }}"
-    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
-    validate_environment:
-      PYTHONPATH: "%s"
-    keep: 3
-  register: release
-
-- name: Fail when the release does not validate.
-  ansible.builtin.assert:
-    that: release.validated is not false
-    fail_msg: "{{ release.validation.stderr }}"
 
 - name: Go back to the previous release (validated again first).
   dflash.ops.dflash_release_tree:
@@ -150,6 +180,11 @@ removed:
   type: list
   elements: str
   returned: always
+built:
+  description: The release packed on the controller - C(id), C(archive) and C(archive_b64) (its paths there),
+    C(code_sha256), C(files) {path in the release - sha256}.
+  type: dict
+  returned: with O(build)
 """
 
 import base64
@@ -171,6 +206,9 @@ ARGUMENT_SPEC = {
     "validate_argv": {"type": "list", "elements": "str"},
     "validate_environment": {"type": "dict", "default": {}},
     "keep": {"type": "int", "default": 0},
+    # Consumed on the controller by the action plugin (documented above); the module never gets them.
+    "build": {"type": "dict"},
+    "fix_variables": {"type": "dict", "default": {}},
 }
 STAGING_PREFIX = ".staging-"
 

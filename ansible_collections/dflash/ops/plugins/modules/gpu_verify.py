@@ -148,13 +148,10 @@ seconds:
 """
 
 import os
-import time
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import gpu_load, unmet
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_judge import observe as read_gpus
-from ansible_collections.dflash.ops.plugins.module_utils.gpu_owners import read_text, vmid_from_cgroup
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll, unmet_message
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, confirm_run
 
@@ -170,72 +167,6 @@ ARGUMENT_SPEC = dict(
     run_name=dict(type="str", default="main"),
     run_expect_pid=dict(type="int"),
 )
-
-# ---------------------------------------------------------------------------------------------
-# Containers (pure given a proc root)
-
-
-def container_pid(status_text):
-    """The pid inside the process's own namespace: the last NSpid entry of /proc/<pid>/status."""
-    for line in (status_text or "").splitlines():
-        if line.startswith("NSpid:"):
-            return int(line.split()[-1])
-    return None
-
-
-def inside_lxc(proc_root="/proc"):
-    """Inside a container, nvidia-smi's host pids mean nothing in the local /proc (a local process
-    may even carry the same number), so no mapping is attempted there."""
-    if vmid_from_cgroup(read_text(f"{proc_root}/self/cgroup") or "") is not None:
-        return True
-    environ = read_text(f"{proc_root}/1/environ") or ""
-    return "container=lxc" in environ.split("\0")
-
-
-def map_containers(processes, proc_root="/proc"):
-    for process in processes:
-        if process["pid"] is None:
-            continue
-        vmid = vmid_from_cgroup(read_text(f"{proc_root}/{process['pid']}/cgroup") or "")
-        if vmid is not None:
-            process["vmid"] = vmid
-            process["container_pid"] = container_pid(read_text(f"{proc_root}/{process['pid']}/status"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Showing (pure)
-
-
-def render_table(gpus, processes, max_memory_mib):
-    def show(value):
-        return "?" if value is None else str(value)
-
-    lines = [f"{'GPU':>3}  {'MEM USED/TOTAL MiB':>18}  {'UTIL%':>5}  {'PROCS':>5}  {'STATE':<5}  NAME"]
-    if not gpus:
-        lines.append("  (no GPU listed)")
-    for gpu in gpus:
-        count = sum(1 for p in processes if p["gpu_uuid"] is not None and p["gpu_uuid"] == gpu["uuid"])
-        busy = gpu_load(gpu, processes, max_memory_mib)[0]
-        memory = f"{show(gpu['memory_used_mib'])}/{show(gpu['memory_total_mib'])}"
-        lines.append(f"{show(gpu['index']):>3}  {memory:>18}  {show(gpu['utilization_pct']):>5}  "
-                     f"{count:>5}  {'busy' if busy else 'idle':<5}  {show(gpu['name'])}")
-    if processes:
-        lines.append(f"{'PID':>8}  {'GPU':>3}  {'MEM MiB':>7}  {'VMID':>5}  {'CT PID':>6}")
-        for p in processes:
-            lines.append(f"{show(p['pid']):>8}  {show(p['gpu_index']):>3}  {show(p['used_memory_mib']):>7}  "
-                         f"{show(p['vmid']):>5}  {show(p['container_pid']):>6}")
-    return lines
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading nvidia-smi
-
-
-def observe(executable, map_vmids):
-    gpus, processes = read_gpus(executable)
-    if map_vmids:
-        map_containers(processes)
-    return gpus, processes
 
 
 def main():
@@ -254,35 +185,25 @@ def main():
         module.fail_json(msg=f"{p['executable']} not found (PATH={os.environ.get('PATH')}): "
                              "no NVIDIA driver utilities on this host", changed=False)
 
-    map_vmids = not inside_lxc()
-    began, polls = time.monotonic(), 0
-    deadline = began + p["timeout"]
-    while True:
-        try:
-            if p["run_pidfile"] and p["run_expect_pid"] is not None:
-                confirm_run(p["run_name"], p["run_pidfile"], p["run_expect_pid"],
-                            "Stopped waiting for the GPUs")
-            gpus, processes = observe(executable, map_vmids)
-        except RunError as exc:
-            module.fail_json(msg=str(exc), changed=False, polls=polls, **exc.result)
-        except NvidiaSmiError as exc:
-            module.fail_json(msg=str(exc), changed=False, polls=polls)
-        polls += 1
-        reasons = unmet(p["expect"], gpus, processes, p["gpus"], p["max_memory_mib"], p["count"])
-        remaining = deadline - time.monotonic()
-        if not reasons or remaining <= 0:
-            break
-        time.sleep(min(p["interval"], remaining))
+    polls = [0]
 
-    table = render_table(gpus, processes, p["max_memory_mib"])
-    result = dict(changed=False, met=not reasons, reasons=reasons, gpus=gpus, processes=processes,
-                  table=table, polls=polls, seconds=round(time.monotonic() - began, 1))
-    if reasons:
-        seen = "\n".join(table)
-        module.fail_json(msg=f"expect={p['expect']} not met after {result['seconds']}s ({polls} poll(s)): "
-                             f"{'; '.join(reasons)}\n{seen}", **result)
-    module.exit_json(msg=f"expect={p['expect']} met: {len(gpus)} GPU(s), "
-                         f"{len(processes)} compute process(es)", **result)
+    def confirm():
+        if p["run_pidfile"] and p["run_expect_pid"] is not None:
+            confirm_run(p["run_name"], p["run_pidfile"], p["run_expect_pid"], "Stopped waiting for the GPUs")
+        polls[0] += 1
+
+    try:
+        seen = poll(executable, p["expect"], p["gpus"], p["max_memory_mib"], p["count"], p["timeout"],
+                    p["interval"], before_each=confirm)
+    except RunError as exc:
+        module.fail_json(msg=str(exc), changed=False, polls=polls[0], **exc.result)
+    except NvidiaSmiError as exc:
+        module.fail_json(msg=str(exc), changed=False, polls=polls[0] - 1)
+    result = dict(changed=False, **seen)
+    if not seen["met"]:
+        module.fail_json(msg=unmet_message(p["expect"], seen), **result)
+    module.exit_json(msg=f"expect={p['expect']} met: {len(seen['gpus'])} GPU(s), "
+                         f"{len(seen['processes'])} compute process(es)", **result)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,24 @@ options:
         secrets (tokens), which never pass through the module's arguments or result. The file must
         be owned by the module's user and readable by it alone (mode 0600).
     type: path
+  idle_gpus:
+    description:
+      - Indices of the GPUs the run uses. Before V(started) or V(restarted) starts the run (after the
+        stop, for V(restarted)), the module waits until C(nvidia-smi) shows each of them idle (no compute
+        process, at most O(idle_max_memory_mib) used), in the same call and under the pidfile's lock, so
+        no other invocation can start a run meanwhile. If they stay busy for O(idle_timeout) seconds,
+        nothing is started and the module fails with a table of what it saw. C(nvidia-smi) must exist
+        before anything is stopped. Without it (or empty) no GPU is checked.
+    type: list
+    elements: int
+  idle_max_memory_mib:
+    description: GPU memory used (MiB) that still counts as idle for O(idle_gpus).
+    type: int
+    default: 100
+  idle_timeout:
+    description: Seconds O(idle_gpus) may take to become idle.
+    type: float
+    default: 60
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
@@ -217,12 +235,19 @@ log_tail:
     V(status), when the pidfile is stale (the run ended without a stop; it finished, failed or died).
   returned: on start failure; with V(status) and a stale pidfile
   type: str
+gpu_idle:
+  description: What the wait for O(idle_gpus) saw at its last read (met, reasons, gpus, processes, table,
+    polls, seconds), as M(dflash.ops.gpu_verify) returns it.
+  returned: when O(idle_gpus) was waited for
+  type: dict
 """
 
 import re
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll, unmet_message
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     PLAIN_FILE_NAME,
     RunError,
@@ -261,7 +286,12 @@ ARGUMENT_SPEC = dict(
     wait_timeout=dict(type="float", default=300),
     expect_pid=dict(type="int"),
     environment_file=dict(type="path"),
+    idle_gpus=dict(type="list", elements="int"),
+    idle_max_memory_mib=dict(type="int", default=100),
+    idle_timeout=dict(type="float", default=60),
 )
+# Seconds between the reads of nvidia-smi while the start waits for idle GPUs.
+IDLE_POLL_SECONDS = 0.5
 
 
 def do_stop(module, record, verdict):
@@ -288,6 +318,21 @@ def do_stop(module, record, verdict):
     remove_file(pidfile)
     return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
                 **stopped)
+
+
+def wait_idle_gpus(params, executable):
+    """Wait until the GPUs the run will use are idle; returns what the wait saw. Raises RunError (nothing
+    started) when they stay busy or nvidia-smi fails. Runs under the pidfile's lock."""
+    try:
+        seen = poll(executable, "idle", params["idle_gpus"], params["idle_max_memory_mib"],
+                    timeout=params["idle_timeout"], interval=IDLE_POLL_SECONDS)
+    except NvidiaSmiError as exc:
+        raise RunError(f"cannot check that GPUs {params['idle_gpus']} are idle, so the run was not "
+                       f"started: {exc}") from None
+    if not seen["met"]:
+        raise RunError(f"GPUs {params['idle_gpus']} are not idle, so the run was not started: "
+                       f"{unmet_message('idle', seen)}", gpu_idle=seen)
+    return seen
 
 
 def apply_state(module, env):
@@ -318,6 +363,12 @@ def apply_state(module, env):
         return result
 
     preflight(params, env)
+    executable = None
+    if params["idle_gpus"]:
+        executable = find_executable()
+        if executable is None:
+            raise RunError(f"idle_gpus {params['idle_gpus']} are checked with nvidia-smi, which is not found "
+                           f"(PATH={env.get('PATH')}): nothing was signalled or started")
     if state == "started" and verdict == "live":
         if record.get("argv") == params["command"]:
             return running_result(record, changed=False, msg=f"already running: {describe(record)}")
@@ -331,6 +382,12 @@ def apply_state(module, env):
     if module.check_mode:
         result.update(stopped_result(record, verdict, changed=True, msg=f"would start {params['command']}"))
         return result
+    if executable:
+        try:
+            result["gpu_idle"] = wait_idle_gpus(params, executable)
+        except RunError as exc:
+            exc.result.update(result, **stopped_result(record, verdict))
+            raise
     new_record, startup = start_run(params, env)
     msg = f"started {describe(new_record)}"
     if "stop_msg" in result:
@@ -350,9 +407,11 @@ def main():
     name = params["name"]
     if not is_plain_file_name(name):
         module.fail_json(msg=f"name {name!r} must be {PLAIN_FILE_NAME}")
-    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout"):
+    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout", "idle_timeout"):
         if params[key] < 0:
             module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
+    if any(index < 0 for index in params["idle_gpus"] or ()):
+        module.fail_json(msg=f"idle_gpus must be GPU indices >= 0, got {params['idle_gpus']}")
     if params["expect_pid"] is not None and params["expect_pid"] < 0:
         module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
     if params["wait_for"]:

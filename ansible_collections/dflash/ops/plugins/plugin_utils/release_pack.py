@@ -1,17 +1,14 @@
-"""Pack the releases of a batch of containers (the trainer's code, each one's rendered files and REVISION)
-into tar.gz archives on the controller, in one process.
+# Copyright: dflash-ops contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A release packed on the controller: the trainer's code and a container's rendered files (config.yaml,
+run.sh) plus REVISION, as one reproducible tar.gz archive and its base64 text.
 
-Usage: pack_release.py SOURCE_REVISION < {NAME: {"code_dir": dir, "dest_dir": dir, "exclude": [path, ...],
-                                                 "files": {"config.yaml": text, "run.sh": text}}, ...}
-
-NAME is a container's inventory name. The release id is a content hash of the code and the rendered
-files, so an unchanged tree and config give the same id (and the container gets nothing new), and
-containers that render the same files share one release: each distinct request is packed once. The
-archive of an id is written once (REVISION records when), so every container of that release gets the
-same bytes. Prints JSON {NAME: {"id": ..., "archive": path, "archive_b64": path, "code_sha256": ...,
-"files": {path in the release: sha256}}}. `archive_b64` is the archive in base64 (text a lookup can
-read): the role hands it to its module in the task's arguments, so the release needs no file transfer
-of its own.
+The release id is a content hash of the code and the rendered files, so an unchanged tree and config give
+the same id (and the container gets nothing new), and containers that render the same files share one
+release: its archive is written once (the first packer wins; REVISION records when), so every container
+of it gets the same bytes, whichever of the deploy's processes packed it first. The base64 text rides in
+the arguments of the container's module call (`dflash_release_tree`, whose action plugin packs), so the
+release needs no file transfer of its own.
 """
 
 import base64
@@ -19,9 +16,7 @@ import datetime
 import gzip
 import hashlib
 import io
-import json
 import os
-import sys
 import tarfile
 import time
 
@@ -67,6 +62,11 @@ def add(tar, name, data):
 
 
 def pack(code_dir, dest_dir, revision, rendered, exclude=()):
+    """{"id", "archive", "archive_b64", "code_sha256", "files": {path in the release: sha256}} of the
+    release of `code_dir` (a Python package) with the `rendered` files ({name: text}); the archive cache
+    in `dest_dir` is pruned afterwards."""
+    if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
+        raise ValueError(f"{code_dir} is not a Python package (no __init__.py)")
     blobs = {}
     for name, path in code_files(code_dir, exclude):
         with open(path, "rb") as fh:
@@ -107,6 +107,7 @@ def pack(code_dir, dest_dir, revision, rendered, exclude=()):
     with tarfile.open(archive) as tar:
         checksums = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
                      for m in tar.getmembers() if m.isfile()}
+    prune(dest_dir)
     return {"id": rid, "archive": archive, "archive_b64": encoded, "code_sha256": code_sha,
             "files": checksums}
 
@@ -135,30 +136,3 @@ def prune(dest_dir, keep=None, keep_seconds=None, now=None):
                 pass
         removed.append(name.removesuffix(".tar.gz"))
     return removed
-
-
-def pack_all(revision, requests):
-    """{name: pack()'s result} for every request; requests that are the same are packed once."""
-    packed, out = {}, {}
-    for name, request in requests.items():
-        key = json.dumps(request, sort_keys=True)
-        if key not in packed:
-            code_dir = request["code_dir"]
-            if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
-                sys.exit(f"pack_release: {code_dir} is not a Python package (no __init__.py)")
-            packed[key] = pack(code_dir, request["dest_dir"], revision, request["files"],
-                               request.get("exclude", ()))
-        out[name] = packed[key]
-    for dest_dir in sorted({request["dest_dir"] for request in requests.values()}):
-        prune(dest_dir)
-    return out
-
-
-def main(argv):
-    if len(argv) != 2:
-        sys.exit("usage: pack_release.py SOURCE_REVISION < requests.json")
-    print(json.dumps(pack_all(argv[1] or "unknown", json.load(sys.stdin))))
-
-
-if __name__ == "__main__":
-    main(sys.argv)

@@ -1,0 +1,62 @@
+"""run_report reads what status.yml shows of a run in one call: the run's state as training_run judges
+its pidfile, the end of its log when it ended without a stop, the live and the running release, its
+status.json and its GPUs (an nvidia-smi failure is reported, not failed on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from module_runner import run_module
+from test_gpu_verify_local import BUSY, FakeNvidiaSmi
+from test_training_run_local import Run
+
+
+def report(run, smi, tmp_path, **extra):
+    args = dict(name=run.name, pidfile=str(run.pidfile), log_path=str(run.log), root=str(tmp_path / "opt"),
+                output_dir=str(tmp_path / "out"), **extra)
+    result, rc = run_module("run_report", args, env=smi.env)
+    assert rc == 0 and result["changed"] is False, result
+    return result
+
+
+def test_a_running_run_with_its_releases_progress_and_gpus(tmp_path, processes):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    smi.answer(BUSY)
+    release = tmp_path / "opt" / "releases" / "abc123"
+    release.mkdir(parents=True)
+    os.symlink(release, tmp_path / "opt" / "current")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "status.json").write_text(json.dumps({"state": "running", "step": 7}))
+    started = run.start()
+    # The run's program lives in another release: a restart is due.
+    record = json.loads(run.pidfile.read_text())
+    record["argv"] = ["/opt/dflash/releases/old999/run.sh"]
+    run.pidfile.write_text(json.dumps(record))
+    shown = report(run, smi, tmp_path, gpus=[0, 1])
+    assert (shown["state"], shown["pid"], shown["ended"]) == ("running", started["pid"], False)
+    assert (shown["release"], shown["running_release"]) == ("abc123", "old999")
+    assert shown["progress"] == {"state": "running", "step": 7} and shown["log_tail"] == ""
+    assert [g["memory_used_mib"] for g in shown["gpus"]] == [61234, 4] and shown["gpu_error"] == ""
+
+
+def test_a_run_that_ended_without_a_stop_shows_its_log_and_nothing_live(tmp_path, processes):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    run.start("--exit-at-once", "0", startup_wait=0)
+    run.log.write_text("step 1\nthe error\n")
+    shown = report(run, smi, tmp_path)
+    assert (shown["state"], shown["pid"], shown["ended"]) == ("stopped", None, True), shown
+    assert shown["log_tail"].endswith("the error\n") and shown["release"] == "-"
+    # The release the run came from: the directory of its program (here the Python that ran it).
+    assert shown["running_release"] == os.path.basename(os.path.dirname(sys.executable))
+    assert (shown["progress"], shown["gpus"], shown["gpu_error"]) == ({}, [], "")
+
+
+def test_no_pidfile_and_gpus_that_cannot_be_read(tmp_path, processes):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    smi.answer({"gpus": "", "stderr": "NVIDIA-SMI has failed because it couldn't communicate with the "
+                "NVIDIA driver.", "rc": 9})
+    shown = report(run, smi, tmp_path, gpus=[0])
+    assert (shown["state"], shown["ended"], shown["running_release"]) == ("stopped", False, "-")
+    assert shown["gpus"] == [] and "cannot reach the NVIDIA driver" in shown["gpu_error"], shown
