@@ -30,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ from dflash.feature_cache import (
     target_identity,
     write_json,
 )
-from dflash.runtime import EventLog, StopSignal, ensure_dir
+from dflash.runtime import EventLog, StopSignal, ensure_dir, exit_code_of
 from dflash.target import load_target, target_hidden_states
 
 # Test knobs: the free bytes the disk-space check sees instead of the file system's; seconds a replica
@@ -60,7 +59,6 @@ from dflash.target import load_target, target_hidden_states
 FREE_BYTES_ENV = "DFLASH_TEST_FREE_BYTES"
 SHARD_DELAY_ENV = "DFLASH_TEST_SHARD_DELAY_S"
 DEFAULT_SHARD_MB = 512
-EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class CaptureError(ValueError):
@@ -384,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for each replica's shard at hand")
     args = parser.parse_args(argv)
     log, stop = EventLog(0), StopSignal().install()
-    try:
+
+    def run_capture() -> None:
         cfg = load_config(args.config, check_target=False)
         check_against_target(cfg)
         out = args.out or cfg.data.features_path
@@ -400,17 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CaptureError("--shard-mb must be >= 1")
         free = int(os.environ[FREE_BYTES_ENV]) if FREE_BYTES_ENV in os.environ else None
         capture(cfg, out, replicas, args.shard_mb << 20, free, log, stop)
-        return EXIT_OK
-    except (CaptureError, ConfigError, DataError, FileNotFoundError) as exc:
-        log.emit("error", message=str(exc))
-        print(f"dflash.capture: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as exc:
-        log.emit("error", message=f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        return EXIT_CRASH
-    finally:
-        stop.restore()
+
+    return exit_code_of(run_capture, log, stop, (CaptureError, ConfigError, DataError, FileNotFoundError),
+                        "dflash.capture")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
   stop, error) and, on a TTY, a progress bar on stderr.
 - `StopSignal` turns SIGTERM and SIGINT into a flag the loop polls between steps; a second signal
   while the checkpoint is being written only sets the flag again, so it cannot corrupt the save.
+- `exit_code_of`: how an entry point's work ends as its exit code (0 done or stopped, 1 crashed, 2 bad
+  input), the same for `python -m dflash.train` and `python -m dflash.capture`.
 - `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
   (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
   stricter umask removes), so no other user can change a run's state or its checkpoints; and nothing
@@ -21,11 +23,14 @@ import stat
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash.safe_paths import check_directory, open_file
 
+EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 STATES = ("starting", "running", "stopping", "stopped", "failed")
 DIR_MODE, FILE_MODE = 0o755, 0o644
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
@@ -214,3 +219,23 @@ class StopSignal:
         """Sleep, but wake as soon as a stop is requested."""
         if seconds > 0:
             self.event.wait(seconds)
+
+
+def exit_code_of(work: Callable[[], None], log: EventLog, stop: StopSignal,
+                 bad_input: tuple[type[Exception], ...], prog: str) -> int:
+    """Run `work` and say how it ended: EXIT_OK; EXIT_BAD_INPUT for one of `bad_input` (an `error`
+    event with its message, `prog: message` on stderr, no traceback); EXIT_CRASH for anything else (an
+    `error` event naming its type, the traceback on stderr). The stop handler is restored either way."""
+    try:
+        work()
+        return EXIT_OK
+    except bad_input as exc:
+        log.emit("error", message=str(exc))
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        log.emit("error", message=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return EXIT_CRASH
+    finally:
+        stop.restore()

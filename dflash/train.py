@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 import torch
 
@@ -21,12 +20,11 @@ from dflash.cache_feed import cached_run
 from dflash.config import ConfigError, TrainConfig, load_config
 from dflash.data import DataError
 from dflash.drafter_run import DrafterRun
-from dflash.runtime import StopSignal
+from dflash.runtime import EXIT_BAD_INPUT, StopSignal, exit_code_of
 from dflash.safe_paths import UnsafePath
 from dflash.status import RunStatus, StatusLog
 from dflash.target import TargetHead, load_target, step_features
 
-EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 WORKER = "trainer"  # the single process's name in status.json's workers
 
 
@@ -61,7 +59,8 @@ def run_single_process(cfg: TrainConfig) -> int:
     torch.set_num_threads(cfg.pipeline.threads_per_worker)
     log = StatusLog(cfg.optim.total_steps, RunStatus(cfg.run.output_dir, process_worker=WORKER))
     stop = StopSignal().install()
-    try:
+
+    def train() -> None:
         device = resolve_device(cfg.pipeline.device)
         if cfg.data.features_path is not None:  # the target's features come from a feature cache
             run, source = cached_run(cfg, log, device)
@@ -77,17 +76,9 @@ def run_single_process(cfg: TrainConfig) -> int:
         finally:
             source.close()
         log.emit("stop", step=run.trainer.step, reason=reason)
-        return EXIT_OK
-    except (ConfigError, DataError, FileNotFoundError, UnsafePath) as exc:
-        log.emit("error", message=str(exc))
-        print(f"dflash.train: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as exc:
-        log.emit("error", message=f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        return EXIT_CRASH
-    finally:
-        stop.restore()
+
+    return exit_code_of(train, log, stop, (ConfigError, DataError, FileNotFoundError, UnsafePath),
+                        "dflash.train")
 
 
 def main(argv: list[str] | None = None) -> int:

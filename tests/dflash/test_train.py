@@ -182,6 +182,23 @@ def test_bad_data_fails_with_a_clear_message(tiny_config, tmp_path, capsys):
     assert status(tmp_path / "run")["state"] == "failed"
 
 
+def test_an_unexpected_failure_exits_1_with_its_traceback_and_restores_the_stop_handler(
+        tiny_config, tmp_path, capsys, monkeypatch):
+    def broken_target(*args, **kwargs):
+        raise RuntimeError("the target's weights are unreadable")
+
+    monkeypatch.setattr("dflash.train.load_target", broken_target)
+    before = signal.getsignal(signal.SIGTERM)
+    code = run_single_process(config_from_dict(tiny_config(tmp_path / "run")))
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "Traceback" in captured.err and "dflash.train:" not in captured.err
+    assert events(captured.out)[-1] == {**events(captured.out)[-1], "event": "error",
+                                        "message": "RuntimeError: the target's weights are unreadable"}
+    assert status(tmp_path / "run")["state"] == "failed"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.slow
 def test_a_few_hundred_steps_make_the_loss_fall(tiny_config, tmp_path, capsys):
     # The frozen random lm_head of a hidden-32 target gives small logits: a high lr lets the

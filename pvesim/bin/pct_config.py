@@ -1,0 +1,157 @@
+"""The container config of pvesim's pct, as pve-container's src/PVE/LXC/Config.pm knows it: the file's
+format (parse_pct_config, write_pct_config), the options `pct create` and `pct set` take and how the API's
+schema checks them, and the devices a config passes through (with what a start makes of them, LXC.pm and
+LXC/Tools.pm). Beside pvesim/bin/pct, which imports it from its own directory; standard library only, like
+pct, which runs under the machine's python3 outside any virtual environment.
+"""
+
+import os
+import re
+
+# A failure is a Perl `die` out of the CLI handler: the message on stderr, and the exit status is errno
+# when a system call failed just before (2, ENOENT, after a stat of a missing file), else 255.
+EXIT_ERROR = 255
+EXIT_ENOENT = 2
+GPU_DEVICE = re.compile(r"^/dev/nvidia([0-9]+)$")
+CONTROL_DEVICE = "/dev/nvidiactl"
+
+
+class PctError(Exception):
+    """A failure reported the way Proxmox's pct reports it: the message on stderr, exit 255 or errno."""
+
+    def __init__(self, message, code=EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+def parse_config(text):
+    """(options, lxc entries) of the current config, as Config.pm's parse_pct_config reads it:
+    `key: value` options, raw `lxc.key: value` or `lxc.key = value` entries in file order, `#`
+    lines the description; the first `[section]` (a snapshot, pending changes) ends it."""
+    options, lxc, description = {}, [], []
+    for line in text.splitlines():
+        if re.match(r"^\[[a-z][a-z0-9_:-]+\]\s*$", line, re.I):
+            break
+        if line.startswith("#"):
+            description.append(line[1:])
+            continue
+        entry = re.match(r"^(lxc\.[a-z0-9_\-.]+)(:|\s*=)\s*(.*?)\s*$", line)
+        if entry:
+            lxc.append((entry.group(1), entry.group(3)))
+            continue
+        option = re.match(r"^([a-z][a-z_\-]*\d*):\s*(.*\S)\s*$", line)
+        if option:
+            options[option.group(1)] = option.group(2)
+    if description:
+        options["description"] = "\n".join(description)
+    return options, lxc
+
+
+def format_config(options, lxc):
+    """Config.pm's write_pct_config: the description as # lines, options sorted, then lxc entries."""
+    text = "".join(f"#{line}\n" for line in options.get("description", "").splitlines())
+    text += "".join(f"{k}: {options[k]}\n" for k in sorted(options) if k != "description")
+    text += "".join(f"{k}: {v}\n" for k, v in lxc)
+    return text
+
+
+def device_path(value):
+    """The path of a devN value (`/dev/x` or `path=/dev/x,mode=0660,...`), checked as Config.pm's
+    verify_lxc_dev_string checks it."""
+    fields = dict(part.partition("=")[::2] if "=" in part else ("path", part) for part in value.split(","))
+    path = fields.get("path")
+    if path is None:
+        raise PctError("Path is not defined for passthrough device")
+    if re.search(r"/\.\.?(?:/|$)", path) or not path.startswith("/dev/"):
+        raise PctError(f"{path} is not a valid device path")
+    return path
+
+
+def passthrough(options, lxc):
+    """(path, optional) of every /dev/nvidia* device the config passes through: devN entries (PVE 8.1+)
+    and bind mounts (lxc.mount.entry, the older form next to lxc.cgroup2.devices.allow)."""
+    found = []
+    for key in sorted((k for k in options if re.fullmatch(r"dev[0-9]+", k)), key=lambda k: int(k[3:])):
+        found.append((device_path(options[key]), False))
+    for key, value in lxc:
+        parts = value.split()
+        if key == "lxc.mount.entry" and parts and parts[0].startswith("/dev/nvidia"):
+            found.append((parts[0], len(parts) > 3 and "optional" in parts[3].split(",")))
+    return [(path, optional) for path, optional in found if path.startswith("/dev/nvidia")]
+
+
+def gpu_view(node, vmid, options, lxc):
+    """What the container will see of the node's GPUs, or the failure of its start: a devN naming a
+    device the node lacks fails in update_lxc_config (LXC/Tools.pm get_device_mode_and_rdev), a bind
+    mount of one without `optional` fails in lxc-start's mount_entry."""
+    devices = node.node_devices()
+    for key in sorted(k for k in options if re.fullmatch(r"dev[0-9]+", k)):
+        path = device_path(options[key])
+        if path not in devices:
+            raise PctError(f"Device {path} does not exist", EXIT_ENOENT)
+    present = []
+    for path, optional in passthrough(options, lxc):
+        if path in devices:
+            present.append(path)
+        elif not optional:
+            raise PctError(f"mount_entry: 2416 No such file or directory - Failed to mount \"{path}\" onto "
+                           f"\"/usr/lib/x86_64-linux-gnu/lxc/rootfs{path}\"\n"
+                           f"command 'systemctl start pve-container@{vmid}' failed: exit code 1")
+    gpus = sorted({int(m.group(1)) for m in map(GPU_DEVICE.match, present) if m})
+    return {"gpus": gpus, "ctl": CONTROL_DEVICE in present}
+
+
+class ConfigOptions:
+    """The options `pct create` and `pct set` take (those a provisioning role uses)."""
+
+    PLAIN = ("hostname", "cores", "memory", "swap", "rootfs", "unprivileged", "onboot", "ostype", "arch",
+             "features", "description", "start", "storage", "delete", "startup")
+
+    def __contains__(self, name):
+        return name in self.PLAIN or bool(re.fullmatch(r"(dev|net)[0-9]+", name))
+
+
+def check_option(node, vmid, key, value):
+    """The value written to the config for one option, checked as the API's JSON schema checks it."""
+    def fail(why):
+        raise PctError(f"400 Parameter verification failed.\n{key}: {why}")
+    if key in ("cores", "memory", "swap"):
+        low = {"cores": 1, "memory": 16, "swap": 0}[key]
+        if not re.fullmatch(r"-?[0-9]+", value):
+            fail(f"type check ('integer') failed - got '{value}'")
+        if int(value) < low:
+            fail(f"value must have a minimum value of {low}")
+    elif key in ("unprivileged", "onboot", "start"):
+        if value.lower() not in ("0", "1", "yes", "no", "true", "false", "on", "off"):
+            fail(f"type check ('boolean') failed - got '{value}'")
+        value = "1" if value.lower() in ("1", "yes", "true", "on") else "0"
+    elif key == "hostname":
+        if not re.fullmatch(r"(?=.{1,255}$)[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]*"
+                            r"[a-zA-Z0-9])?)*", value):
+            fail("value does not look like a valid DNS name")
+    elif key == "rootfs":
+        match = re.fullmatch(r"([a-z][a-z0-9\-_.]*):([0-9]+(\.[0-9]+)?)", value)
+        if not match:
+            fail(f"invalid format - value '{value}' (want STORAGE:SIZE_IN_GiB)")
+        storage, size = match.group(1), match.group(2)
+        if not os.path.isdir(os.path.join(node.root, "storage", storage)):
+            raise PctError(f"storage '{storage}' does not exist")
+        value = f"{storage}:{vmid}/vm-{vmid}-disk-0.raw,size={size}G"
+    elif key == "startup":  # pve-common's pve-startup-order format
+        if not re.fullmatch(r"((order=\d+|up=\d+|down=\d+)(,|$))+", value):
+            fail(f"invalid format - value '{value}'")
+    elif key.startswith("dev"):
+        device_path(value)
+    elif key.startswith("net") and not re.search(r"(^|,)name=", value):
+        fail("missing property - 'name' is required")
+    return value
+
+
+def apply_options(node, vmid, options, opts):
+    for key, value in opts.items():
+        if key in ("start", "storage", "delete"):
+            continue
+        options[key] = check_option(node, vmid, key, value)
+    for key in filter(None, opts.get("delete", "").split(",")):
+        options.pop(key.strip(), None)
+    return options
