@@ -19,3 +19,11 @@ attributes:
     support: N/A
     platforms: posix
 """
+
+    # A module that only reads (extends_documentation_fragment: dflash.ops.attributes.read_only).
+    READ_ONLY = r"""
+attributes:
+  check_mode:
+    support: full
+    details: Reads only, so it runs the same in check mode.
+"""

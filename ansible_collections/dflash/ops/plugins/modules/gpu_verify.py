@@ -29,10 +29,7 @@ version_added: "0.1.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
-attributes:
-  check_mode:
-    support: full
-    details: Reads only, so it runs the same in check mode.
+  - dflash.ops.attributes.read_only
 options:
   expect:
     description:

@@ -22,10 +22,7 @@ version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
-attributes:
-  check_mode:
-    support: full
-    details: Reads only, so it runs the same in check mode.
+  - dflash.ops.attributes.read_only
 options:
   name:
     description: Name of the run (the default paths are named after it).
