@@ -10,6 +10,9 @@ PYTEST_ARGS ?=
 # make test's xdist workers: its tests spend most of their time waiting on playbooks, sshd and trainers,
 # so more workers than cores; each test file stays on one worker, in order (--dist loadfile).
 TEST_WORKERS ?= 4
+# make test-reliability's: its trials wait on playbooks and trainers too; each file stays on one worker
+# with its own fleet, so a file's trials never share a container with another file's.
+RELIABILITY_WORKERS ?= 3
 
 .PHONY: help setup peer-suites compat-venv serve-check test test-reliability lint bench demo demo-fleet sim-up sim-down clean
 
@@ -50,7 +53,8 @@ test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, r
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
-	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -m 'reliability or reliability_full' $(PYTEST_ARGS)
+	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \
+	  -m 'reliability or reliability_full' $(PYTEST_ARGS)
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
 # ansible-test sanity runs each test in a virtualenv of its pinned requirements, from the package index.
