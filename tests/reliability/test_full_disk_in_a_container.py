@@ -95,7 +95,9 @@ def test_a_checkpoint_the_disk_cannot_hold_is_never_picked_and_the_run_says_why(
         assert later["last_checkpoint"] == kept
         assert fleet.ct_sh(VMID, f"ls -A {OUTPUT}/checkpoints").split() == [name]
         logged = [e for e in events(fleet) if e["event"] == "checkpoint_failed"]
-        assert logged and logged[0]["step"] == failed_step, logged
+        # Each failed save is logged (the status shows the latest; a slow poll may see a later one).
+        assert failed_step in [e["step"] for e in logged], logged
+        assert all(name in e["message"] and "No space left on device" in e["message"] for e in logged), logged
         table = status_table(fleet)
         assert "checkpoint: checkpoint step" in table and "No space left on device" in table, table
         print(f"full output disk: save of step {failed_step} failed ({error[:120]}...), "

@@ -112,8 +112,9 @@ def test_a_member_that_fails_to_start_stops_the_other_and_is_named(fleet):
     assert set(failure) == set(HOSTS), res
     message = failure["ct210"]["msg"]
     assert "Run main did not start on ct210, ct211:" in message, message
-    # CT 211 failed on its own (its output dir), CT 210 waited at the rendezvous for it.
-    assert "ct211: run exited with code 1" in message and f"Not a directory: '{BLOCKER}/" in message, message
+    # CT 211 refused its output dir (bad input, exit 2), CT 210 waited at the rendezvous for it.
+    assert "ct211: run exited with code 2" in message, message
+    assert f"run.output_dir: {BLOCKER} is not a directory" in message, message
     assert "RendezvousTimeoutError" in message and "Every member (ct210, ct211) is stopped." in message
     assert [fleet.run_info(v) for v in CONTAINERS] == [None, None]
     for vmid in CONTAINERS:  # no worker of either member is left
