@@ -24,11 +24,17 @@ LOG = "/var/log/dflash/main.log"
 # The phase a task belongs to, by its role and words of its name (the first match wins). Task names
 # may change: an unknown one falls back to its role's phase.
 PHASE_RULES = (
+    ("dflash_run", "restart", "restart"),       # one call: stop, GPUs idle, start
+    ("dflash_run", "gpus idle and start", "restart"),
+    ("dflash_run", "dflash-resume", "boot unit"),
+    ("dflash_run", "unit", "boot unit"),
+    ("dflash_run", "boot", "boot unit"),
     ("dflash_run", "stop", "stop"),
     ("dflash_run", "idle", "gpus idle"),
     ("dflash_run", "start the run", "start"),
     ("dflash_run", "log before", "start"),
     ("dflash_run", "", "run check"),
+    ("dflash_release", "live in the container", "release"),  # one call: unpack, validate, switch
     ("dflash_release", "kept", "prune"),
     ("dflash_release", "symlink", "switch"),
     ("dflash_release", "previous", "switch"),
@@ -57,10 +63,11 @@ def phase_of(heading: str) -> str:
         return "finished"
     inside = heading[heading.index("[") + 1: heading.rindex("]")] if "[" in heading else heading
     role, _, name = inside.partition(" : ") if " : " in inside else ("", "", inside)
+    role = role.strip().rsplit(".", 1)[-1]  # dflash.ops.dflash_run: the role's own name
     for rule_role, words, phase in PHASE_RULES:
-        if rule_role == role.strip() and words in name.lower():
+        if rule_role == role and words in name.lower():
             return phase
-    return role.strip() or "play"
+    return role or "play"
 
 
 def last_heading(output: str) -> str:
