@@ -104,10 +104,30 @@ def kill_deploy_after(fleet, delay: float, log: Path) -> KilledDeploy:
     return kill_deploy_when(fleet, lambda elapsed: elapsed >= delay, log, delay)
 
 
-def validations_in_flight() -> list[int]:
+def in_fleet(pid: int, state_dir: Path) -> bool:
+    """Whether host pid `pid` runs in one of this fleet's containers: an ancestor of it names the
+    fleet's state directory (the `lxc-attach -P <state>/...` that ran it, or its container's
+    `[lxc monitor] <state>/...`). Other fleets on this machine (other test files, side by side under
+    xdist) run the same commands in containers of the same ids."""
+    marker = str(state_dir).encode()
+    for _ in range(64):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker in fh.read():
+                    return True
+        except OSError:
+            return False
+        fields = procs._stat_fields(pid)
+        if not fields or int(fields[1]) <= 1:
+            return False
+        pid = int(fields[1])
+    return False
+
+
+def validations_in_flight(fleet) -> list[int]:
     """Host pids of the trainer's config validation of a staged release (`python -m dflash.config
-    validate <root>/.staging-<id>/config.yaml`), whatever container runs it: the controller sees
-    every container's processes in its own /proc."""
+    validate <root>/.staging-<id>/config.yaml`) in this fleet's containers: the controller sees every
+    container's processes in its own /proc."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -117,7 +137,8 @@ def validations_in_flight() -> list[int]:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if b"dflash.config" in argv and b"validate" in argv and any(b"/.staging-" in a for a in argv):
+        if b"dflash.config" in argv and b"validate" in argv and any(b"/.staging-" in a for a in argv) \
+                and in_fleet(int(entry), fleet.sim.state_dir):
             found.append(int(entry))
     return found
 

@@ -193,7 +193,7 @@ def test_a_deploy_killed_while_its_release_validates_switches_all_or_nothing(fle
         seen: list[int] = []
 
         def validating(_elapsed, seen=seen):
-            seen.extend(validations_in_flight())
+            seen.extend(validations_in_flight(fleet))
             return bool(seen)
 
         killed = kill_deploy_when(fleet, validating, tmp_path / f"validating-{module_too}-{i}.log")
