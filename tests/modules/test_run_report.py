@@ -60,3 +60,21 @@ def test_no_pidfile_and_gpus_that_cannot_be_read(tmp_path, processes):
     shown = report(run, smi, tmp_path, gpus=[0])
     assert (shown["state"], shown["ended"], shown["running_release"]) == ("stopped", False, "-")
     assert shown["gpus"] == [] and "cannot reach the NVIDIA driver" in shown["gpu_error"], shown
+
+
+def test_status_json_and_the_boot_result_are_read_but_never_through_a_link(tmp_path, processes):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    started = run.start()
+    record = json.loads(run.pidfile.read_text())
+    record["started_by"] = "boot"
+    run.pidfile.write_text(json.dumps(record))
+    boot = run.pidfile.parent / f"{run.name}.boot-result.json"
+    boot.write_text(json.dumps({"outcome": "started", "msg": "resumed"}))
+    (tmp_path / "out").mkdir()
+    secret = tmp_path / "elsewhere.json"
+    secret.write_text(json.dumps({"state": "running", "step": 99}))
+    os.symlink(secret, tmp_path / "out" / "status.json")
+    shown = report(run, smi, tmp_path)
+    assert (shown["pid"], shown["started_by"]) == (started["pid"], "boot") and shown["started_at"]
+    assert shown["boot"] == {"outcome": "started", "msg": "resumed"}
+    assert shown["progress"] == {}, shown  # the link's target is not read

@@ -69,3 +69,13 @@ def test_every_play_that_runs_a_role_loads_what_the_roles_pass_on():
     assert len(running) == 9, [play["name"] for _, play in running]
     for name, play in running:
         assert "vars/roles.yml" in play.get("vars_files", []), f"{name}: {play['name']} runs a role"
+
+
+def test_no_debug_task_notifies_a_handler():
+    """A handler or a restart follows the task that really changed something, never a debug task whose
+    changed_when stands in for a change (check mode's reports of what would change notify nothing)."""
+    notifying = [(path.relative_to(ROLES_DIR).as_posix(), task.get("name"))
+                 for path in sorted(ROLES_DIR.glob("*/tasks/*.yml"))
+                 for task in yaml.safe_load(path.read_text()) or []
+                 if "ansible.builtin.debug" in task and "notify" in task]
+    assert not notifying, notifying
