@@ -8,9 +8,11 @@ import json
 import os
 import sys
 
-from module_runner import run_module
+from module_runner import alive, run_module
 from test_gpu_verify_local import BUSY, FakeNvidiaSmi
 from test_training_run_local import Run
+
+from tests.waiting import wait_for
 
 
 def report(run, smi, tmp_path, **extra):
@@ -43,7 +45,10 @@ def test_a_running_run_with_its_releases_progress_and_gpus(tmp_path, processes):
 
 def test_a_run_that_ended_without_a_stop_shows_its_log_and_nothing_live(tmp_path, processes):
     smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
-    run.start("--exit-at-once", "0", startup_wait=0)
+    started = run.start("--exit-at-once", "0", startup_wait=0)
+    # The fake run writes its own last line to the log before it exits: only once it has exited is the
+    # log the test's alone (writing earlier races that line).
+    assert wait_for(lambda: not alive(started["pid"]), timeout=60), "the fake run never exited"
     run.log.write_text("step 1\nthe error\n")
     shown = report(run, smi, tmp_path)
     assert (shown["state"], shown["pid"], shown["ended"]) == ("stopped", None, True), shown
