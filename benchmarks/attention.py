@@ -5,7 +5,7 @@ sequence of 3072 tokens with 512 anchors and blocks of 16 (8192 queries over 112
 small hidden size so that it runs on a CPU. Both paths use the same blocks, weights and inputs:
 
 - dense (the previous path): `BlockBatch.attention_mask`, a `[Q, T+Q]` boolean mask, through SDPA;
-- sparse (`dflash.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
+- sparse (`dflash.model.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
   range and its own blocks, checkpointed.
 
 Two scopes: the attention alone (q, k, v of that shape; forward, a loss, backward) and a whole
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from dflash.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
-from dflash.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.model.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -43,14 +43,14 @@ import torch
 import yaml
 
 from benchmarks.pipeline import build_assets, run_training
-from dflash.cache_feed import CacheFeed, FeatureCache
-from dflash.capture import DEFAULT_SHARD_MB, capture, capture_batches, write_shard
-from dflash.config import load_config
-from dflash.data import BatchOrder, Example, collate, load_examples
-from dflash.feature_cache import shard_bytes
-from dflash.runtime import StopSignal
-from dflash.target import TargetHead, load_target, target_hidden_states
-from dflash.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash.core.config import load_config
+from dflash.core.runtime import StopSignal
+from dflash.data.capture import DEFAULT_SHARD_MB, capture, capture_batches, write_shard
+from dflash.data.examples import BatchOrder, Example, collate, load_examples
+from dflash.data.feature_cache import shard_bytes
+from dflash.data.target import TargetHead, load_target, target_hidden_states
+from dflash.run.cache_feed import CacheFeed, FeatureCache
+from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
 QWEN3_8B = {"k": 5, "hidden": 4096, "dtype": "bfloat16", "bytes": 2}
 

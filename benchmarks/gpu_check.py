@@ -39,8 +39,9 @@ import torch
 
 from benchmarks.drafter_step import measure_in_subprocess
 from benchmarks.memory import peak_allocated_bytes
-from dflash.config import DEFAULT_LOSS_CHUNK_SIZE
-from dflash.target import build_target_layer_ids, target_hidden_states
+from dflash.core.config import DEFAULT_LOSS_CHUNK_SIZE
+from dflash.core.target_layers import build_target_layer_ids
+from dflash.data.target import target_hidden_states
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECFORGE = "SpecForge, Qwen3-8B, 8 x H200: ~45 GB and ~7 samples/s per trainer GPU at batch 2"

@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from dflash.config import load_config
-from dflash.data import BatchOrder, collate, load_examples
-from dflash.target import TargetHead, load_target, target_hidden_states
-from dflash.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash.core.config import load_config
+from dflash.data.examples import BatchOrder, collate, load_examples
+from dflash.data.target import TargetHead, load_target, target_hidden_states
+from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 SIZE_OPTIONS = ("steps", "warmup", "batch_size", "seq_len", "hidden", "target_layers", "max_anchors",

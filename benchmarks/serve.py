@@ -29,18 +29,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from dflash.checkpoint import find_checkpoint
-from dflash.config import config_from_dict, load_config
-from dflash.evaluate import (
+from dflash.core.config import config_from_dict, load_config
+from dflash.data.target import load_target
+from dflash.run.main import run_single_process
+from dflash.serve.evaluate import (
     AcceptanceStats,
     drafter_proposer,
     end_of_text_id,
     eval_prompts,
     speculative_decode,
 )
-from dflash.export import export_checkpoint, load_export
-from dflash.target import load_target
-from dflash.train import run_single_process
+from dflash.serve.export import export_checkpoint, load_export
+from dflash.training.checkpoint import find_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_VENV = REPO / ".cache" / "serve-venv"

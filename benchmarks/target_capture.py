@@ -6,7 +6,7 @@ at a small hidden size) on the same padded batch and return the same packed `[T,
 
 - all layers (the previous path): `output_hidden_states=True` keeps the n + 1 `[B, L, H]` layer
   outputs, every layer runs, then k of them are packed;
-- capture (`dflash.target.target_hidden_states`): hooks copy the k selected layers' real tokens
+- capture (`dflash.data.target.target_hidden_states`): hooks copy the k selected layers' real tokens
   into the packed output as they are produced, and the forward pass ends after the deepest one;
 - capture, one row per pass (`model.target_rows_per_pass: 1`): the same, a row at a time.
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds, ragged_lengths  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from dflash.target import (  # noqa: E402
+from dflash.data.target import (  # noqa: E402
     build_target_layer_ids,
     target_hidden_states,
     target_hidden_states_all_layers,

@@ -1,195 +1,26 @@
-"""Training configuration: one typed dataclass per section, loaded from YAML.
+"""`python -m dflash.config validate <yaml>`: exit 0 when a training config is good, 2 with the key and
+the message otherwise (the release role runs it in the container before it switches releases).
 
-`load_config(path)` maps the YAML onto `TrainConfig`; unknown keys and wrong types are errors that
-name the key and the value. `python -m dflash.config validate <yaml>` exits 0 when the file is good
-and 2 with the message otherwise (the deploy role runs it before switching releases).
-"""
+The config itself (its dataclasses, `load_config`) is `dflash.core.config`; this command sits above the
+layers whose checks it runs: with the machine checks on, a feature cache is checked too, shard by shard
+(`dflash.data.feature_cache`, imported only then: the check of a plain config stays light)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import yaml
-
-from dflash.config_sections import (  # noqa: F401 (re-exported: the config's names live in dflash.config)
-    DEFAULT_LOSS_CHUNK_SIZE,
-    DEVICES,
-    DTYPES,
-    FEATURE_CHECKS,
-    LAYER_TYPES,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    PipelineConfig,
-    RunConfig,
-)
-from dflash.devices import visible_devices
-from dflash.mask_token import mask_token_problem
-from dflash.safe_paths import output_dir_problem
+from dflash.core.config import ConfigError, TrainConfig, load_config
 
 
-@dataclass
-class TrainConfig:
-    model: ModelConfig
-    data: DataConfig
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/main"))
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                raise ConfigError(f.name, f"expected a {SECTIONS[f.name].__name__}")
-        if self.model.block_size > self.data.max_length:
-            raise ConfigError("model.block_size", f"{self.model.block_size} does not fit in "
-                              f"data.max_length {self.data.max_length}: no block could be trained")
-        targets = sum(t for _, t in self.pipeline.member_counts)
-        if self.pipeline.is_multi_process and (self.data.features_path is None) == (targets == 0):
-            key = "pipeline.target_gpus" if self.pipeline.device == "cuda" else "pipeline.target_workers"
-            raise ConfigError(key, "must name no target with data.features_path (the drafters read the "
-                              f"cache), got {targets}" if targets else "names no target: the features need "
-                              "one, or data.features_path (a feature cache: python -m dflash.capture)")
-
-    @property
-    def gamma(self) -> float:
-        """Loss decay constant: the configured one, else the paper's value for the block size."""
-        return self.optim.gamma if self.optim.gamma is not None else default_gamma(self.model.block_size)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-SECTIONS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "optim": OptimConfig,
-    "run": RunConfig,
-    "pipeline": PipelineConfig,
-}
-
-
-def default_gamma(block_size: int) -> float:
-    """The paper's decay constants (7 for b=16, 5 for b=10, 4 for b=8), else b/2 - 1 (at least 1)."""
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2 - 1))
-
-
-def _section_from_dict(name: str, raw) -> object:
-    cls = SECTIONS[name]
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(name, f"expected a mapping, got {raw!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(name, f"unknown key(s) {', '.join(map(str, unknown))} "
-                          f"(known: {', '.join(sorted(known))})")
-    missing = sorted(
-        f.name for f in dataclasses.fields(cls)
-        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    )
-    if missing:
-        raise ConfigError(name, f"missing required key(s) {', '.join(missing)}")
-    return cls(**raw)
-
-
-def config_from_dict(raw) -> TrainConfig:
-    """Build a validated TrainConfig from a plain mapping (the parsed YAML)."""
-    if not isinstance(raw, dict):
-        raise ConfigError("config", f"expected a mapping at the top level, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(SECTIONS))
-    if unknown:
-        raise ConfigError("config", f"unknown section(s) {', '.join(map(str, unknown))} "
-                          f"(known: {', '.join(SECTIONS)})")
-    for required in ("model", "data"):
-        if required not in raw:
-            raise ConfigError("config", f"missing section {required}")
-    return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
-
-
-def target_shape(target_path: str) -> tuple[int, int]:
-    """(decoder layers, vocabulary size) of the target saved at `target_path`, from its config.json."""
-    config_file = Path(target_path) / "config.json"
-    if not config_file.is_file():
-        raise ConfigError("model.target_path", f"no model at {target_path!r} (expected {config_file})")
-    try:
-        raw = json.loads(config_file.read_text())
-        text = raw.get("text_config") or raw
-        return int(text["num_hidden_layers"]), int(text["vocab_size"])
-    except (ValueError, KeyError, TypeError) as exc:
-        message = f"cannot read num_hidden_layers and vocab_size from {config_file}: {exc!r}"
-        raise ConfigError("model.target_path", message) from exc
-
-
-def check_against_target(cfg: TrainConfig) -> None:
-    """Checks that need the target on disk: it exists, the layer ids are within its depth and the
-    mask token within its embedding and none of its stop or pad tokens."""
-    n_layers, vocab_size = target_shape(cfg.model.target_path)
-    ids = cfg.model.target_layer_ids
-    if ids is not None and max(ids) >= n_layers:
-        raise ConfigError("model.target_layer_ids", f"{ids} out of range for a target with {n_layers} layers "
-                          f"(valid ids are 0..{n_layers - 1})")
-    mask = cfg.model.mask_token_id
-    problem = None if mask is None else mask_token_problem(mask, cfg.model.target_path, vocab_size)
-    if problem is not None:
-        raise ConfigError("model.mask_token_id", problem)
-
-
-def check_data(cfg: TrainConfig, checksums: bool = False) -> None:
-    """The training data (and the held-out data, if any) are files on this machine; a feature cache
-    is this run's (`dflash.feature_cache`; with `checksums`, unless features_verify is sizes, its shards')."""
-    for key in ("path", "eval_path"):
-        value = getattr(cfg.data, key)
-        if value is None:
-            continue
-        path = Path(value)
-        if not path.is_file():
-            what = "a directory" if path.is_dir() else "no file"
-            raise ConfigError(f"data.{key}", f"{what} at {value!r} (expected a JSON-lines file)")
+def check_features(cfg: TrainConfig) -> None:
+    """The config's feature cache, if it names one, is this run's (its shards' checksums, unless
+    features_verify is sizes)."""
     if cfg.data.features_path is not None:
-        from dflash.feature_cache import check_cache
+        from dflash.data.feature_cache import check_cache
 
-        check_cache(cfg, checksums=checksums and cfg.data.features_verify == "checksums")
-
-
-def check_output_dir(cfg: TrainConfig) -> None:
-    """The run can write its outputs where the config says: no symbolic link, no other user's directory."""
-    # checkpoint.CHECKPOINT_DIR and telemetry.TENSORBOARD_DIR (both import torch, which config does not).
-    problem = output_dir_problem(cfg.run.output_dir, ("checkpoints", "tensorboard"))
-    if problem:
-        raise ConfigError("run.output_dir", f"{problem}: the run would write where another user (or the "
-                          "link) chose; remove it or point run.output_dir elsewhere")
-
-
-def load_config(path: str | Path, check_target: bool = True, checksums: bool = False) -> TrainConfig:
-    """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
-    `check_target` also checks it against this machine: the target and the data (with `checksums`,
-    a feature cache's shards' checksums) on disk, the visible GPUs."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from exc
-    cfg = config_from_dict(raw)
-    if check_target:
-        check_against_target(cfg)
-        check_data(cfg, checksums)
-        check_output_dir(cfg)
-        cfg.pipeline.check_visible_gpus(len(visible_devices()))
-    return cfg
-
-
-def dump_config(cfg: TrainConfig) -> str:
-    """The config as YAML that `load_config` reads back to an equal TrainConfig."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        check_cache(cfg, checksums=cfg.data.features_verify == "checksums")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,14 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="exit 0 if the config is valid, else print why and exit 2")
     validate.add_argument("config", help="path to the YAML training config")
     validate.add_argument("--no-target-check", action="store_true",
-                          help="skip the checks that need this machine: the target model and the data "
-                               "on disk, the GPUs of the layout")
+                          help="skip the checks that need this machine: the target model, the data and "
+                               "the feature cache on disk, the GPUs of the layout")
     validate.add_argument("--json", action="store_true",
                           help='print one JSON object on stdout: {"ok": true} or {"ok": false, "key": '
                                '"data.batch_size", "message": "expected int, got \'four\'"} (exit 2)')
     args = parser.parse_args(argv)
     try:
-        load_config(args.config, check_target=not args.no_target_check, checksums=True)
+        cfg = load_config(args.config, check_target=not args.no_target_check)
+        if not args.no_target_check:
+            check_features(cfg)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key,
@@ -217,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # ConfigError is dflash.config_sections': one class, whoever raises it
+if __name__ == "__main__":
     sys.exit(main())

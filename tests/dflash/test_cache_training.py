@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from dflash import cache_feed
-from dflash.capture import capture
-from dflash.checkpoint import latest_checkpoint, load_checkpoint
-from dflash.config import config_from_dict
-from dflash.data import BatchOrder
-from dflash.runtime import StopSignal
-from dflash.transport import FEED_DONE
+from dflash.core.config import config_from_dict
+from dflash.core.runtime import StopSignal
+from dflash.data.capture import capture
+from dflash.data.examples import BatchOrder
+from dflash.run import cache_feed
+from dflash.run.transport import FEED_DONE
+from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
 from tests.dflash.test_feature_cache import SMALL_SHARDS, Log
 from tests.dflash.test_train import step_losses, train_in_process
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import ConfigError, config_from_dict, dump_config, load_config
+from dflash.core.config import ConfigError, config_from_dict, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as checkpoint_module
-from dflash.checkpoint import (
+from dflash.core.config import config_from_dict
+from dflash.data.target import load_target
+from dflash.run.main import run_single_process
+from dflash.serve.export import MANIFEST, load_export
+from dflash.serve.export import main as export_main
+from dflash.training import checkpoint as checkpoint_module
+from dflash.training.checkpoint import (
     CHECKPOINT_FILES,
     CheckpointNotFoundError,
     checkpoint_name,
@@ -26,13 +31,8 @@ from dflash.checkpoint import (
     load_checkpoint,
     saves_in_progress,
 )
-from dflash.config import config_from_dict
-from dflash.export import MANIFEST, load_export
-from dflash.export import main as export_main
-from dflash.target import load_target
-from dflash.train import run_single_process
 
-EXPORT_FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "model.py", "README.md"}
+EXPORT_FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "drafter.py", "README.md"}
 
 
 def fake_checkpoint(run: Path, step: int, files=CHECKPOINT_FILES) -> Path:
@@ -148,7 +148,7 @@ def test_into_writes_the_step_s_directory_with_its_checksums_and_keeps_it_while_
     files = sha256s(out)
     assert set(files) == EXPORT_FILES | {MANIFEST}
     manifest = (out / MANIFEST).read_text()
-    order = ("config.json", "model.safetensors", "modeling_dflash.py", "model.py", "README.md")
+    order = ("config.json", "model.safetensors", "modeling_dflash.py", "drafter.py", "README.md")
     assert manifest == "".join(f"{files[name]}  {name}\n" for name in order)
     assert report["files"] == {name: files[name] for name in EXPORT_FILES}
     # dflash's own loader reads it: the checkpoint's weights, in bfloat16.

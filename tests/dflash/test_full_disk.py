@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from dflash.checkpoint import latest_checkpoint, list_checkpoints
-from dflash.config import config_from_dict
-from dflash.runtime import EventLog
-from dflash.train import run_single_process
+from dflash.core.config import config_from_dict
+from dflash.core.runtime import EventLog
+from dflash.run.main import run_single_process
+from dflash.training.checkpoint import latest_checkpoint, list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 # One tiny checkpoint takes about 160 KiB: this holds one and the run's small files, not two.

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.checkpoint import latest_checkpoint, load_checkpoint, load_drafter
-from dflash.config import config_from_dict
-from dflash.loss import build_block_batch
-from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.target import load_target
-from dflash.train import run_single_process
+from dflash.core.config import config_from_dict
+from dflash.data.target import load_target
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.loss import build_block_batch
+from dflash.run.main import run_single_process
+from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, load_drafter
 
 BLOCK, VOCAB, WINDOW = 4, 50, 3
 LENGTH, ANCHOR = 16, 10

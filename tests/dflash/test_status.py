@@ -1,10 +1,10 @@
-"""status.json follows the run's log, line by line, in either layout (dflash.status)."""
+"""status.json follows the run's log, line by line, in either layout (dflash.run.status)."""
 
 from __future__ import annotations
 
 import json
 
-from dflash.status import RunStatus
+from dflash.run.status import RunStatus
 
 
 def follow(status: RunStatus, *records: dict) -> dict:

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from dflash.config import config_from_dict
-from dflash.target import TargetHead, load_target, load_target_head
-from dflash.trainer import build_drafter
+from dflash.core.config import config_from_dict
+from dflash.data.target import TargetHead, load_target, load_target_head
+from dflash.training.trainer import build_drafter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

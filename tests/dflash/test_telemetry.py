@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from dflash.config import config_from_dict
-from dflash.plots import main as plots_main
-from dflash.runtime import EventLog
-from dflash.telemetry import METRICS_FILE, TENSORBOARD_DIR
-from dflash.train import run_single_process
+from dflash.core.config import config_from_dict
+from dflash.core.runtime import EventLog
+from dflash.run.main import run_single_process
+from dflash.training.plots import main as plots_main
+from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR
 
 
 def run_records(raw: dict, capsys) -> list[dict]:
@@ -109,7 +109,7 @@ class _Terminal(io.StringIO):
 
 def test_progress_line_shows_step_total_and_an_eta(monkeypatch):
     clock = iter([100.0, 110.0])
-    monkeypatch.setattr("dflash.runtime.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("dflash.core.runtime.time.monotonic", lambda: next(clock))
     terminal = _Terminal()
     log = EventLog(total_steps=100, stream=io.StringIO(), progress_stream=terminal)
     log.show_progress(10, 2.0, 500.0)   # the pace starts here: no ETA yet

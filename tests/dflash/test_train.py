@@ -15,13 +15,13 @@ import pytest
 import torch
 import yaml
 
-from dflash import checkpoint
-from dflash.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
-from dflash.config import config_from_dict
-from dflash.runtime import EventLog, StopSignal
-from dflash.target import load_target
-from dflash.train import main as train_main
-from dflash.train import run_single_process
+from dflash.core.config import config_from_dict
+from dflash.core.runtime import EventLog, StopSignal
+from dflash.data.target import load_target
+from dflash.run.main import main as train_main
+from dflash.run.main import run_single_process
+from dflash.training import checkpoint
+from dflash.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_an_unexpected_failure_exits_1_with_its_traceback_and_restores_the_stop_
     def broken_target(*args, **kwargs):
         raise RuntimeError("the target's weights are unreadable")
 
-    monkeypatch.setattr("dflash.train.load_target", broken_target)
+    monkeypatch.setattr("dflash.run.main.load_target", broken_target)
     before = signal.getsignal(signal.SIGTERM)
     code = run_single_process(config_from_dict(tiny_config(tmp_path / "run")))
     captured = capsys.readouterr()

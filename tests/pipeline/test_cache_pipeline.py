@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.capture import capture
-from dflash.config import load_config
-from dflash.feature_cache import MANIFEST
+from dflash.core.config import load_config
+from dflash.data.capture import capture
+from dflash.data.feature_cache import MANIFEST
 from tests.dflash.test_feature_cache import Log, corrupt
 from tests.pipeline.test_pipeline_run import step_losses
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.config import load_config
-from dflash.demo import PRESETS, is_prepared, prepare
+from dflash.core.config import load_config
+from dflash.data.demo import PRESETS, is_prepared, prepare
 
 REPO = Path(__file__).resolve().parents[2]
 

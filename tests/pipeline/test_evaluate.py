@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.checkpoint import latest_checkpoint, load_drafter
-from dflash.config import load_config
-from dflash.data import load_examples
-from dflash.evaluate import (
+from dflash.core.config import load_config
+from dflash.data.examples import load_examples
+from dflash.data.target import load_target
+from dflash.serve.evaluate import (
     AcceptanceStats,
     drafter_proposer,
     eval_prompts,
     speculative_decode,
     target_proposer,
 )
-from dflash.heldout import HeldOutEvaluator
-from dflash.target import load_target
-from dflash.trainer import resolve_layer_ids
+from dflash.training.checkpoint import latest_checkpoint, load_drafter
+from dflash.training.heldout import HeldOutEvaluator
+from dflash.training.trainer import resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import ConfigError, PipelineConfig
-from dflash.launcher import plan_workers, torchrun_command, torchrun_environment
-from dflash.ranks import rank_table
+from dflash.core.config import ConfigError, PipelineConfig
+from dflash.run.launcher import plan_workers, torchrun_command, torchrun_environment
+from dflash.run.ranks import rank_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_torchrun_runs_the_layout_on_loopback_with_the_restart_limit():
     assert flags["--nproc-per-node"] == "3" and flags["--max-restarts"] == "5"
     # torchrun keeps each worker's error file there (TORCHELASTIC_ERROR_FILE), for the launcher to read.
     assert flags["--log-dir"] == "/tmp/errors"
-    assert command[-4:] == ["-m", "dflash.pipeline", "--config", "/srv/config.yaml"]
+    assert command[-4:] == ["-m", "dflash.run.pipeline", "--config", "/srv/config.yaml"]
     assert PipelineConfig().max_restarts == 3
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash.data import load_examples
-from dflash.data import main as data_main
-from dflash.regenerate import GenerationSettings, regenerate
-from dflash.target import load_target
+from dflash.data.examples import load_examples
+from dflash.data.__main__ import main as data_main
+from dflash.data.regenerate import GenerationSettings, regenerate
+from dflash.data.target import load_target
 
 SETTINGS = GenerationSettings(max_new_tokens=12, batch_size=2)
 

@@ -6,7 +6,7 @@ that reaches POINT stops there, writes `POINT STEP` to FILE and waits until the 
 SIGTERM or SIGINT (at most PAUSE_LIMIT_S), then goes on. The test watches FILE and sends its
 signal from outside, so the signal lands inside the write at a known point; a SIGKILL there is a
 crash at that point. The production code has no such hook: the pause wraps the functions
-`dflash.checkpoint` calls.
+`dflash.training.checkpoint` calls.
 
 POINTS, in the order a save reaches them:
 - `tmp-dir`: the private temp dir exists, empty;
@@ -62,7 +62,8 @@ class SaveHooks:
 
         import torch
 
-        from dflash import checkpoint, runtime
+        from dflash.core import runtime
+        from dflash.training import checkpoint
 
         real_save_file, real_torch_save, real_fsync = checkpoint.save_file, torch.save, checkpoint._fsync
         real_rmtree = shutil.rmtree
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pause_at:
         SaveHooks(args.pause_at, args.on_save, args.marker).install()
-    from dflash.train import main as train_main
+    from dflash.run.main import main as train_main
 
     return train_main(["--config", args.config])
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
-from dflash.target import load_target
+from dflash.data.target import load_target
+from dflash.training.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
 from pvesim.fleet import REPO, prepare_assets
 from tests.reliability.checkpoint_support import BEFORE_RENAME, POINTS
 from tests.reliability.trial_counts import trials
@@ -253,8 +253,8 @@ def test_no_stop_or_crash_loses_the_saved_step(tmp_path, target):
 def test_checkpoints_and_status_are_never_writable_by_others(tmp_path, umask, dir_mode, file_mode):
     import torch
 
-    from dflash.checkpoint import save_checkpoint
-    from dflash.runtime import StatusFile
+    from dflash.core.runtime import StatusFile
+    from dflash.training.checkpoint import save_checkpoint
 
     output_dir = tmp_path / "runs" / "main"
     previous = os.umask(umask)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from dflash.export import load_export
-from dflash.target import load_target
+from dflash.data.target import load_target
+from dflash.serve.export import load_export
 from pvesim.fleet import Fleet
 from tests.reliability.input_support import shown
 
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 EXPORT_TASK = "Ensure the run's checkpoint is exported and on the controller, each file checked."
 OUTPUT = "/var/lib/dflash/runs/main"
 EXPORTS = f"{OUTPUT}/exports"
-FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "model.py", "README.md", "SHA256SUMS"}
+FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "drafter.py", "README.md", "SHA256SUMS"}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ description:
   - In the container, the trainer's own C(python -m dflash.export --into) (from O(code_dir), run by
     O(python)) exports the latest complete checkpoint of the run in O(output_dir), or the one of
     O(step), into C(<into>/step-<N>/) (C(config.json), C(model.safetensors), C(modeling_dflash.py),
-    C(model.py), C(README.md) and C(SHA256SUMS), the sha256 of the others, written last). The trainer
+    C(drafter.py), C(README.md) and C(SHA256SUMS), the sha256 of the others, written last). The trainer
     picks the checkpoint by the rule it resumes by (a C(step-*) directory with all its files), in the
     same process that reads it, so a run that goes on saving and pruning checkpoints meanwhile does
     not matter.

@@ -1,10 +1,10 @@
 """Pipeline workers: target ranks feed packed hidden states to drafter ranks that train with DDP.
 
-torchrun, started by the launcher (`dflash.launcher`), runs one `python -m dflash.pipeline --config
+torchrun, started by the launcher (`dflash.run.launcher`), runs one `python -m dflash.run.pipeline --config
 <yaml>` per worker with RANK, LOCAL_RANK and WORLD_SIZE set; the role follows from the global rank
-(`dflash.ranks`: drafters first, rank 0 is drafter 0) and the device from LOCAL_RANK
+(`dflash.run.ranks`: drafters first, rank 0 is drafter 0) and the device from LOCAL_RANK
 (`cuda:LOCAL_RANK`). Ranks talk through `torch.distributed` (gloo on CPU, nccl on GPUs); the batches
-travel as `dflash.transport` sends them. When torchrun restarts the group after a worker died,
+travel as `dflash.run.transport` sends them. When torchrun restarts the group after a worker died,
 every worker resumes from the latest checkpoint.
 
 Batch schedule. Batches are numbered i = 0, 1, 2... in the data order of a single-process run
@@ -47,17 +47,22 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.rendezvous import rendezvous
 
-from dflash.cache_feed import cache_feed
-from dflash.checkpoint import list_checkpoints
-from dflash.config import ConfigError, PipelineConfig, TrainConfig, load_config
-from dflash.data import BatchOrder, DataError, load_examples
-from dflash.drafter_run import DrafterRun, latest_to_resume
-from dflash.ranks import BatchSchedule, first_rank, member_leader, rank_table
-from dflash.runtime import EventLog, StopSignal
-from dflash.stopping import DRAIN_AFTER_ERROR_S, DRAIN_AFTER_STOP_S, PROCESS_GROUP_TIMEOUT, die_with_parent
-from dflash.target import load_target, load_target_head, step_features
-from dflash.trainer import StepResult, resolve_layer_ids
-from dflash.transport import FEED_DONE, BatchFeed, send_batch, send_end_markers
+from dflash.core.config import ConfigError, PipelineConfig, TrainConfig, load_config
+from dflash.core.runtime import EventLog, StopSignal
+from dflash.core.stopping import (
+    DRAIN_AFTER_ERROR_S,
+    DRAIN_AFTER_STOP_S,
+    PROCESS_GROUP_TIMEOUT,
+    die_with_parent,
+)
+from dflash.data.examples import BatchOrder, DataError, load_examples
+from dflash.data.target import load_target, load_target_head, step_features
+from dflash.run.cache_feed import cache_feed
+from dflash.run.ranks import BatchSchedule, first_rank, member_leader, rank_table
+from dflash.run.transport import FEED_DONE, BatchFeed, send_batch, send_end_markers
+from dflash.training.checkpoint import list_checkpoints
+from dflash.training.drafter_run import DrafterRun, latest_to_resume
+from dflash.training.trainer import StepResult, resolve_layer_ids
 
 # A test knob: "<worker name>:<n>" makes that worker raise at its n-th batch (target) or step (drafter).
 FAIL_ENV = "DFLASH_TEST_FAIL_AT"
@@ -87,7 +92,7 @@ class WorkerContext:
         try:
             rank, local_rank, world_size = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
         except KeyError as missing:
-            raise SystemExit(f"dflash.pipeline: {missing} is not set; workers are started by torchrun "
+            raise SystemExit(f"dflash.run.pipeline: {missing} is not set; workers are started by torchrun "
                              "through the launcher (python -m dflash.train with a pipeline layout)") from None
         table = rank_table(pipeline)
         if world_size != len(table):
@@ -345,7 +350,7 @@ def worker_main(config_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dflash.pipeline",
+        prog="python -m dflash.run.pipeline",
         description="One worker of a pipeline run. Started by torchrun through the launcher (python -m "
                     "dflash.train with a pipeline layout); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.",
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash.runtime import EventLog, StatusFile
+from dflash.core.runtime import EventLog, StatusFile
 
 LAUNCHER = "launcher"  # the `worker` of the launcher's stop event
 ACTIVE = ("starting", "running")

@@ -14,12 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.data import Example, collate
-from dflash.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
-
-# Where the trainer has always found them; the rules live in dflash.mask_token and dflash.target_layers.
-from dflash.mask_token import resolve_mask_token_id as resolve_mask_token_id
-from dflash.target_layers import build_target_layer_ids as build_target_layer_ids
+from dflash.data.examples import Example, collate
+from dflash.model.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -174,7 +170,7 @@ def step_features(target: nn.Module, examples: list[Example], layer_ids: list[in
     """What one drafter step takes from a batch of `examples`, computed by `target` on `device`:
     the packed `[T, k*H]` features of `layer_ids` with their `cu_seqlens` and `position_ids`, and
     the batch's `input_ids` and `loss_mask` packed the same way (the keyword arguments of
-    `DrafterTrainer.train_step` and of `dflash.transport.send_batch`)."""
+    `DrafterTrainer.train_step` and of `dflash.run.transport.send_batch`)."""
     batch = {name: t.to(device) for name, t in collate(examples).items()}
     packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
                                   rows_per_pass)

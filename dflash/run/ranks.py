@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dflash.config import PipelineConfig
+from dflash.core.config import PipelineConfig
 
 ROLES = ("drafter", "target")
 

@@ -20,7 +20,7 @@ A cache directory holds:
   A directory without it holds an unfinished capture.
 
 This module reads no tensors and imports no torch, so that the launcher and `python -m
-dflash.config validate` can check a cache; the reader is `dflash.cache_feed`.
+dflash.config validate` can check a cache; the reader is `dflash.run.cache_feed`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dflash.config import ConfigError, TrainConfig, target_shape
-from dflash.target_layers import build_target_layer_ids
+from dflash.core.config import ConfigError, TrainConfig, target_shape
+from dflash.core.target_layers import build_target_layer_ids
 
 FORMAT = "dflash-features/1"
 MANIFEST, PLAN = "manifest.json", "capture.json"

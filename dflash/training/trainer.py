@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash.config import OptimConfig, TrainConfig
-from dflash.loss import (
+from dflash.core.config import OptimConfig, TrainConfig
+from dflash.core.mask_token import resolve_mask_token_id
+from dflash.core.target_layers import build_target_layer_ids
+from dflash.data.target import TargetHead
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.loss import (
     BlockBatch,
     build_block_batch,
     chunked_head_loss,
@@ -27,8 +31,6 @@ from dflash.loss import (
     dflash_loss,
     sample_anchors,
 )
-from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.target import TargetHead, build_target_layer_ids, resolve_mask_token_id
 
 
 def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:

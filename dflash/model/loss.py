@@ -14,9 +14,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from dflash.attention import BlockSparseMask
-from dflash.hidden_states import document_ids
-from dflash.model import sliding_window_mask
+from dflash.model.attention import BlockSparseMask
+from dflash.model.drafter import sliding_window_mask
+from dflash.model.hidden_states import document_ids
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
@@ -61,7 +61,7 @@ class BlockBatch:
 
     @cached_property
     def sparse_mask(self) -> BlockSparseMask:
-        """The same pattern as `attention_mask`, as ranges per block (`dflash.attention`)."""
+        """The same pattern as `attention_mask`, as ranges per block (`dflash.model.attention`)."""
         return BlockSparseMask.from_blocks(self.cu_seqlens, self.block_doc, self.block_anchor,
                                            self.block_size)
 

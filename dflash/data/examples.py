@@ -1,12 +1,11 @@
 """Training data: JSON lines of `{"input_ids": [...], "loss_mask": [...]}`, a resumable batch
 order, and collation to a right-padded batch for the target.
 
-`python -m dflash.data regenerate ...` builds such a file from a prompt set (`dflash.regenerate`)."""
+`python -m dflash.data regenerate ...` builds such a file from a prompt set (`dflash.data.regenerate`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,26 +105,3 @@ def collate(examples: list[Example], pad_token_id: int = 0) -> dict[str, torch.T
         batch["attention_mask"][row, :n] = 1
         batch["loss_mask"][row, :n] = e.loss_mask
     return batch
-
-
-COMMANDS = {"regenerate": "answer a prompt set with the target: the training JSON lines (see --help)"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash.data COMMAND ...`; COMMAND's own `--help` tells its options."""
-    argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m dflash.data COMMAND [options]\n\ncommands:\n" + "".join(
-        f"  {name:<12} {help_text}\n" for name, help_text in COMMANDS.items())
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage, file=sys.stdout if argv else sys.stderr, end="")
-        return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        print(f"{usage}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
-        return 2
-    from dflash.regenerate import main as regenerate_main
-
-    return regenerate_main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

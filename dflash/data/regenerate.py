@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.target import DTYPES, load_target
+from dflash.data.target import DTYPES, load_target
 
 
 class PromptError(ValueError):

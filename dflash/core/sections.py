@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16")
 # take ~0.6 GiB, and 512-row matmuls keep the lm_head's throughput.
 DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
-LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model's, without importing torch
+LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model.drafter's, without importing torch
 FEATURE_CHECKS = ("checksums", "sizes")
 
 
@@ -86,7 +86,7 @@ class ModelConfig(Section):
     mask_token_id: int | None = None
     dtype: str = "float32"
     target_rows_per_pass: int | None = None
-    # Scored block positions per lm_head + cross-entropy chunk (`dflash.loss.chunked_head_loss`):
+    # Scored block positions per lm_head + cross-entropy chunk (`dflash.model.loss.chunked_head_loss`):
     # bounds the logits to [loss_chunk_size, vocab]; null: a group's scored positions at once.
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
     # One of LAYER_TYPES per draft layer (null: all full_attention), and the window W in tokens of

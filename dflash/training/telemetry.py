@@ -19,9 +19,9 @@ import math
 import os
 from pathlib import Path
 
-from dflash.runtime import FILE_MODE, ensure_dir, output_mode
-from dflash.safe_paths import open_file
-from dflash.trainer import StepResult
+from dflash.core.runtime import FILE_MODE, ensure_dir, output_mode
+from dflash.core.safe_paths import open_file
+from dflash.training.trainer import StepResult
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -18,7 +18,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from dflash.ranks import BatchSchedule
+from dflash.run.ranks import BatchSchedule
 
 HEADER_SIZE = 6  # kind, batch index, tokens, documents, feature width, dtype code
 KIND_BATCH, KIND_END = 0, 1

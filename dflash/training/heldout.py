@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash.data import Example, collate
-from dflash.evaluate import AcceptanceStats
-from dflash.loss import build_block_batch, dflash_loss
-from dflash.model import DFlashDrafter
-from dflash.target import target_hidden_states
+from dflash.data.examples import Example, collate
+from dflash.data.target import target_hidden_states
+from dflash.model.acceptance import AcceptanceStats, replay_acceptance
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.loss import build_block_batch, dflash_loss
 
 
 @dataclass
@@ -42,23 +42,6 @@ class HeldOutResult:
     def as_fields(self) -> dict:
         return {"heldout_loss": self.loss, "heldout_tau": round(self.stats.tau, 4),
                 "heldout_acceptance_by_position": [round(r, 4) for r in self.stats.acceptance_by_position()]}
-
-
-def replay_acceptance(tokens: list[int], start: int, drafts_at: dict[int, list[int]]) -> list[int]:
-    """Tokens gained per verify step when decoding reproduces `tokens` from position `start` (the
-    first generated token) to its end, with `drafts_at[a]` the b-1 drafts of anchor position a."""
-    lengths = []
-    anchor, last = start, len(tokens) - 1
-    while anchor < last:
-        drafts = drafts_at[anchor]
-        accepted = 0
-        while (accepted < len(drafts) and anchor + 1 + accepted <= last
-               and drafts[accepted] == tokens[anchor + 1 + accepted]):
-            accepted += 1
-        gained = min(accepted + 1, last - anchor)
-        lengths.append(gained)
-        anchor += gained
-    return lengths
 
 
 class HeldOutEvaluator:

@@ -4,19 +4,19 @@
 differs between the layouts comes in as parts, not as subclasses:
 
 - `drafters`, the run's drafter ranks as this one sees them: `SoleDrafter` (one drafter: rank 0,
-  nothing to exchange) or a pipeline's `DrafterGroup` (dflash.pipeline: the drafters' process group,
+  nothing to exchange) or a pipeline's `DrafterGroup` (dflash.run.pipeline: the drafters' process group,
   through which DDP averages gradients, random states are gathered for a checkpoint and the step's
   figures are averaged);
 - the batch source of `run(source, stop)`: `source.next_batch(stop)` gives each step's packed target
   features (the keyword arguments of `DrafterTrainer.train_step`), or None when the run must stop,
   `source.stop_reason` then saying why. The single process computes them with its own target
   (dflash.train); a pipeline's drafter receives them from the target ranks, and the drafters agree
-  before each step whether to take it (dflash.pipeline). `stop` is the process's StopSignal.
+  before each step whether to take it (dflash.run.pipeline). `stop` is the process's StopSignal.
 
 Checkpoints hold every drafter rank's random state (in rank order: its anchor RNG and the process
 RNGs), and each rank resumes from its own, so that a resumed run draws what the uninterrupted one
 would have, whatever the number of drafters. The run reports through its log alone (`start`,
-`step`, `heldout`, `checkpoint`, `resume`); status.json follows the log (dflash.status).
+`step`, `heldout`, `checkpoint`, `resume`); status.json follows the log (dflash.run.status).
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import (
+from dflash.core.config import TrainConfig, dump_config
+from dflash.core.runtime import EventLog
+from dflash.data.examples import BatchOrder, load_examples
+from dflash.data.target import TargetHead
+from dflash.training.checkpoint import (
     fit_to_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -38,13 +42,9 @@ from dflash.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash.config import TrainConfig, dump_config
-from dflash.data import BatchOrder, load_examples
-from dflash.heldout import HeldOutEvaluator
-from dflash.runtime import EventLog
-from dflash.target import TargetHead
-from dflash.telemetry import IntervalMeter, RunTelemetry
-from dflash.trainer import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
+from dflash.training.heldout import HeldOutEvaluator
+from dflash.training.telemetry import IntervalMeter, RunTelemetry
+from dflash.training.trainer import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
 
 
 def latest_to_resume(output_dir: Path, resume: bool) -> Path | None:

@@ -10,7 +10,7 @@
 - `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
   (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
   stricter umask removes), so no other user can change a run's state or its checkpoints; and nothing
-  is written through a symbolic link or in another user's directory (`dflash.safe_paths`).
+  is written through a symbolic link or in another user's directory (`dflash.core.safe_paths`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dflash.safe_paths import check_directory, open_file
+from dflash.core.safe_paths import check_directory, open_file
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 STATES = ("starting", "running", "stopping", "stopped", "failed")

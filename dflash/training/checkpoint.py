@@ -23,10 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash.config import ConfigError
-from dflash.model import DFlashDrafter, DrafterConfig
-from dflash.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
-from dflash.safe_paths import check_directory
+from dflash.core.config import ConfigError
+from dflash.core.files import fsync_path
+from dflash.core.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
+from dflash.core.safe_paths import check_directory
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
@@ -38,14 +39,6 @@ CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.yaml", "meta.json
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -200,9 +193,9 @@ def _write_checkpoint(root: Path, tmp: Path, step: int, model_state: dict[str, t
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
     for name in CHECKPOINT_FILES:
         os.chmod(tmp / name, output_mode(FILE_MODE))
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
     os.chmod(tmp, output_mode(DIR_MODE))
-    _fsync(tmp)
+    fsync_path(tmp)
     if final.exists():
         # A checkpoint of this step already exists (a save after resuming at it): replace it.
         old = root / f"{_REPLACED_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
@@ -211,7 +204,7 @@ def _write_checkpoint(root: Path, tmp: Path, step: int, model_state: dict[str, t
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    _fsync(root)
+    fsync_path(root)
     return final
 
 

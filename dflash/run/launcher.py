@@ -2,19 +2,19 @@
 
 `run.sh` execs `python -m dflash.train --config <yaml>`; when the config's `pipeline` section asks
 for workers, that process becomes this launcher. torchrun spawns the workers
-(`python -m dflash.pipeline`), runs the c10d rendezvous, sets RANK / LOCAL_RANK / WORLD_SIZE,
+(`python -m dflash.run.pipeline`), runs the c10d rendezvous, sets RANK / LOCAL_RANK / WORLD_SIZE,
 restarts the whole group (up to `pipeline.max_restarts` times) when a worker dies, and keeps each
 worker's error report (torch.distributed.elastic's per-rank error files). What torchrun does not
 give stays here:
 
-- the layout: one worker per drafter GPU then per target GPU (global rank order, `dflash.ranks`:
+- the layout: one worker per drafter GPU then per target GPU (global rank order, `dflash.run.ranks`:
   rank 0 is drafter 0), refused before anything starts when it overlaps or exceeds the visible GPUs;
   the worker of local rank r uses `cuda:r`, and `CUDA_VISIBLE_DEVICES` lists the layout's GPUs in
   rank order. A run across several containers (`pipeline.members`) has one launcher and one
   torchrun per member, joined by a c10d rendezvous at `pipeline.rendezvous` on member 0;
 - the log and `status.json`: every worker writes JSON lines to torchrun's stdout, which is this
   process's pipe; they are forwarded to the run's log, and `status.json` follows them and this
-  process's own events (`dflash.status.RunStatus`, its one writer);
+  process's own events (`dflash.run.status.RunStatus`, its one writer);
 - the stop: torchrun's workers live in sessions of their own, so a SIGTERM to the run's process
   group reaches this process and torchrun only. torchrun ignores it (its handler raises on every
   signal, so a second one would abandon its workers mid-checkpoint); this process sends SIGTERM once
@@ -46,12 +46,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.config import ConfigError, PipelineConfig, TrainConfig
-from dflash.devices import visible_devices
-from dflash.feature_cache import check_cache
-from dflash.ranks import first_rank, rank_table
-from dflash.status import LAUNCHER, RunStatus, StatusLog
-from dflash.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
+from dflash.core.config import ConfigError, PipelineConfig, TrainConfig
+from dflash.core.devices import visible_devices
+from dflash.core.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
+from dflash.data.feature_cache import check_cache
+from dflash.run.ranks import first_rank, rank_table
+from dflash.run.status import LAUNCHER, RunStatus, StatusLog
 
 STDERR_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.05
@@ -104,7 +104,7 @@ def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int,
         "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(TORCHRUN_SHUTDOWN_TIMEOUT_S),
         # SIGTERM/SIGINT are this launcher's to forward (see the module's docstring).
         "--signals-to-handle", "SIGHUP,SIGQUIT", "--log-dir", log_dir,
-        "-m", "dflash.pipeline", "--config", config_path,
+        "-m", "dflash.run.pipeline", "--config", config_path,
     ]
 
 

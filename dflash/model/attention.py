@@ -13,13 +13,13 @@ checkpointed: only the inputs (views of the layer's q, k, v) are kept, and the t
 mask are rebuilt in the backward pass, so no tile's working set outlives it. Work and memory
 follow the allowed entries (plus the waste inside a tile), not Q x (T+Q).
 
-`with_window(W)` is the pattern of a sliding-window layer (`dflash.model.sliding_window_mask`: the
+`with_window(W)` is the pattern of a sliding-window layer (`dflash.model.drafter.sliding_window_mask`: the
 query at block offset i of a block anchored at a sees the context positions a+i-W+1 .. a-1 and its
 block's offsets i-W+1 .. i). Its tiles start at their first block's window and also end where a
 tile's context range would pass W + `TILE_QUERIES` rows, so a sliding layer's work follows W, not
 the documents' lengths.
 
-The result equals SDPA with the dense mask of `dflash.loss.build_block_attention_mask` (of the same
+The result equals SDPA with the dense mask of `dflash.model.loss.build_block_attention_mask` (of the same
 window) up to float rounding (the tests pin it in fp32 and bf16).
 """
 

@@ -1,13 +1,13 @@
 """Training from a feature cache (`data.features_path`, written by `python -m dflash.capture`).
 
-- `FeatureCache` maps each shard of a cache (`dflash.feature_cache` has the format) and knows
+- `FeatureCache` maps each shard of a cache (`dflash.data.feature_cache` has the format) and knows
   where each example's document lies; `batch(indices)` gives what the online target gives for
   those examples, packed: `features` [T, k*H] in the model dtype, `cu_seqlens` [B+1] int32,
   `position_ids`, `input_ids` and `loss_mask` [T] int64. The features of a batch are one copy out
   of the mapped pages (private mappings: nothing is ever written back).
 - `CacheFeed` is a drafter's batches in schedule order, read on a thread `pipeline.queue_depth`
   batches ahead: batch i of the run's data order goes to drafter i % D, as in the pipeline. It
-  answers like the pipeline's feed of target batches (dflash.transport's `BatchFeed`: `next(stop)`
+  answers like the pipeline's feed of target batches (dflash.run.transport's `BatchFeed`: `next(stop)`
   gives a step's keyword arguments or FEED_DONE, `drain(timeout)`, `error`); `last_index` and
   `last_indices` say which batch the last one was.
 - `CachedFeatures` is the single-process run's batch source from the cache (in place of the
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import ConfigError, TrainConfig
-from dflash.data import BatchOrder
-from dflash.drafter_run import DrafterRun
-from dflash.feature_cache import KEY, check_cache, read_manifest, read_shard_header
-from dflash.runtime import EventLog, StopSignal
-from dflash.target import load_target, load_target_head
-from dflash.transport import FEED_DONE
+from dflash.core.config import ConfigError, TrainConfig
+from dflash.core.runtime import EventLog, StopSignal
+from dflash.data.examples import BatchOrder
+from dflash.data.feature_cache import KEY, check_cache, read_manifest, read_shard_header
+from dflash.data.target import load_target, load_target_head
+from dflash.run.transport import FEED_DONE
+from dflash.training.drafter_run import DrafterRun
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
                 "U8": torch.uint8}

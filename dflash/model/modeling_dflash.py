@@ -1,8 +1,8 @@
 """The transformers class of an exported drafter: `AutoModel.from_pretrained(dir, trust_remote_code=True)`.
 
-`python -m dflash.export` copies this file and `model.py` (the layers it was trained with) into the
+`python -m dflash.export` copies this file and `drafter.py` (the layers it was trained with) into the
 export directory and names the class in config.json's `auto_map`. It runs under transformers 4.x
-(the public DFlash code pins 4.57.1) and 5.x, and imports nothing of this package but `.model`
+(the public DFlash code pins 4.57.1) and 5.x, and imports nothing of this package but `.drafter`
 (the relative import is what lets it run from the export directory, where `dflash` is not installed).
 
 The model holds the trained weights only (`fc`, `hidden_norm`, `layers.*`, `norm`): the block's
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from .model import SLIDING_ATTENTION, DrafterConfig, DraftStack, rope_theta_of
+from .drafter import SLIDING_ATTENTION, DrafterConfig, DraftStack, rope_theta_of
 
 
 def drafter_config_from_hf(config) -> DrafterConfig:

@@ -1,0 +1,103 @@
+"""Entry point: `python -m dflash.train --config <yaml>`.
+
+A config whose `pipeline` section names workers runs as a pipeline: this process becomes its
+launcher (dflash.run.launcher). Otherwise the run is this one process: the frozen target and the
+drafter live here and take turns each step (the drafter side is dflash.training.drafter_run's `DrafterRun`,
+fed by `TargetFeatures`). SIGTERM (or SIGINT) lets the current step finish, then the run saves a
+checkpoint, logs a `stop` event (status.json: `stopped`) and exits 0: the stop takes at most one
+step plus one checkpoint save (a `run.step_delay` pause is cut short), which is what a stop timeout
+must allow for. Exit codes: 0 done or stopped, 1 crashed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from dflash.core.config import ConfigError, TrainConfig, load_config
+from dflash.core.runtime import EXIT_BAD_INPUT, StopSignal, exit_code_of
+from dflash.core.safe_paths import UnsafePath
+from dflash.data.examples import DataError
+from dflash.data.target import TargetHead, load_target, step_features
+from dflash.run.cache_feed import cached_run
+from dflash.run.status import RunStatus, StatusLog
+from dflash.training.drafter_run import DrafterRun
+
+WORKER = "trainer"  # the single process's name in status.json's workers
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("pipeline.device", "'cuda' requested but no CUDA device is visible")
+    return torch.device("cuda" if name == "cuda" else "cpu")
+
+
+class TargetFeatures:
+    """The single process's batch source: its own target computes each step's features, from the
+    next batch of the run's data order, unless a stop was requested."""
+
+    def __init__(self, target, run: DrafterRun):
+        self.target, self.run = target, run
+        self.stop_reason = ""
+
+    def next_batch(self, stop: StopSignal) -> dict | None:
+        if stop.requested:
+            self.stop_reason = f"signal {stop.signal_name}"
+            return None
+        run = self.run
+        return step_features(self.target, [run.examples[i] for i in run.order.next_batch()], run.layer_ids,
+                             run.cfg.model.target_rows_per_pass, run.device)
+
+    def close(self) -> None:
+        pass
+
+
+def run_single_process(cfg: TrainConfig) -> int:
+    """Run the whole training in this process; return the exit code."""
+    torch.set_num_threads(cfg.pipeline.threads_per_worker)
+    log = StatusLog(cfg.optim.total_steps, RunStatus(cfg.run.output_dir, process_worker=WORKER))
+    stop = StopSignal().install()
+
+    def train() -> None:
+        device = resolve_device(cfg.pipeline.device)
+        if cfg.data.features_path is not None:  # the target's features come from a feature cache
+            run, source = cached_run(cfg, log, device)
+        else:
+            target = load_target(cfg.model.target_path, cfg.model.dtype, device)
+            run = DrafterRun(cfg, log, TargetHead.of(target))
+            if cfg.data.eval_path is not None:
+                run.build_heldout(target)
+            run.resume()
+            source = TargetFeatures(target, run)
+        try:
+            reason = run.run(source, stop)
+        finally:
+            source.close()
+        log.emit("stop", step=run.trainer.step, reason=reason)
+
+    return exit_code_of(train, log, stop, (ConfigError, DataError, FileNotFoundError, UnsafePath),
+                        "dflash.train")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash.train",
+                                     description="Train a DFlash drafter for a frozen target model.")
+    parser.add_argument("--config", required=True,
+                        help="path to the YAML training config (see docs/CONTRACTS.md)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"invalid config {args.config}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if cfg.pipeline.is_multi_process:
+        from dflash.run.launcher import launch
+
+        return launch(cfg, args.config)
+    return run_single_process(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
