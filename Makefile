@@ -7,14 +7,16 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := lxc openssh-server sudo
 PYTEST_ARGS ?=
-# make test's xdist workers: its tests spend most of their time waiting on playbooks, sshd and trainers,
-# so more workers than cores; each test file stays on one worker, in order (--dist loadfile).
-TEST_WORKERS ?= 4
+# make test's xdist workers: its tests wait on playbooks, sshd and trainers, but what they wait on runs
+# on the same cores (containers, sshd, torch), so one worker more than the cores: 4 workers on 2 cores
+# loaded them to 9-12 and turned the waits into CPU contention. Each test file stays on one worker, in
+# order (--dist loadfile).
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # make test-reliability's: its trials wait on playbooks and trainers too; each file stays on one worker
 # with its own fleet, so a file's trials never share a container with another file's.
 RELIABILITY_WORKERS ?= 3
 
-.PHONY: help setup peer-suites compat-venv serve-check test test-reliability lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check test test-reliability test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -49,12 +51,22 @@ serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export
 	@python3 scripts/serve_venv.py
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
 
-test: setup peer-suites ## Run the whole test suite (unit, pvesim integration, roles, molecule).
+test: setup peer-suites ## The test suite (unit, pvesim, roles, playbooks, one molecule scenario, reliability's fast subset).
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \
 	  -m 'reliability or reliability_full' $(PYTEST_ARGS)
+
+# A flaky test is a bug: rerun it under load until its failure rate shows (scripts/flaky.py).
+TEST ?=
+RUNS ?= 20
+test-flaky: setup ## Rerun TEST (a pytest node id) RUNS times beside a CPU hog per core; print its failure rate.
+	@test -n "$(TEST)" || { echo "make test-flaky: name the test, e.g. TEST=tests/modules/test_run_report.py::test_x RUNS=50"; exit 2; }
+	$(PY) scripts/flaky.py $(TEST) --runs $(RUNS)
+
+test-under-load: setup peer-suites ## make test beside a CPU hog per core (what a shared CI machine does to it).
+	$(PY) scripts/cpu_load.py -- $(MAKE) --no-print-directory test
 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
 # ansible-test sanity runs each test in a virtualenv of its pinned requirements, from the package index.

@@ -1,9 +1,57 @@
-"""`python -m dflash.capture --config <yaml> [--out DIR]`: capture the target's features into a feature cache
-(`dflash.data.capture`)."""
+"""`python -m dflash.capture --config <yaml> [--out DIR]`: capture the target's features of a training
+config's data set into a feature cache (the work is `dflash.data.capture`; this module parses the command
+line, checks it and maps failures to exit codes)."""
 
+from __future__ import annotations
+
+import argparse
+import os
 import sys
 
-from dflash.data.capture import main
+import torch
+
+from dflash.core.config import ConfigError, check_against_target, load_config
+from dflash.core.runtime import EventLog, StopSignal, exit_code_of
+from dflash.data.capture import DEFAULT_SHARD_MB, FREE_BYTES_ENV, CaptureError, capture
+from dflash.data.examples import DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.capture",
+        description="Capture the target's features of a training config's data set into a feature cache "
+                    "that runs read with data.features_path. Resumable by shard; SIGTERM stops at a shard "
+                    "boundary.")
+    parser.add_argument("--config", required=True, help="the training config (target, layers, data, order)")
+    parser.add_argument("--out", help="the cache directory (default: the config's data.features_path)")
+    parser.add_argument("--replicas", type=int,
+                        help="target replicas (default: every visible GPU on cuda, 1 on cpu)")
+    parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_MB,
+                        help=f"shard size in MiB, whole batches (default {DEFAULT_SHARD_MB}); a stop waits "
+                             "for each replica's shard at hand")
+    args = parser.parse_args(argv)
+    log, stop = EventLog(0), StopSignal().install()
+
+    def run_capture() -> None:
+        cfg = load_config(args.config, check_target=False)
+        check_against_target(cfg)
+        out = args.out or cfg.data.features_path
+        if not out:
+            raise CaptureError("name the cache directory: --out DIR, or data.features_path in the config")
+        cuda = cfg.pipeline.device == "cuda"
+        replicas = args.replicas or (torch.cuda.device_count() if cuda else 1)
+        visible = torch.cuda.device_count() if cuda else None
+        if replicas < 1 or (cuda and replicas > visible):
+            raise CaptureError(f"--replicas {replicas}: must be 1..{visible} (the visible GPUs)" if cuda
+                               else "--replicas must be >= 1")
+        if args.shard_mb < 1:
+            raise CaptureError("--shard-mb must be >= 1")
+        free = int(os.environ[FREE_BYTES_ENV]) if FREE_BYTES_ENV in os.environ else None
+        capture(cfg, out, replicas, args.shard_mb << 20, free, log, stop)
+
+    return exit_code_of(run_capture, log, stop, (CaptureError, ConfigError, DataError, FileNotFoundError),
+                        "dflash.capture")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.core.config import ConfigError, config_from_dict
+from dflash.capture import main as capture_main
 from dflash.config import main as config_main
+from dflash.core.config import ConfigError, config_from_dict
 from dflash.core.runtime import StopSignal
 from dflash.data import capture as capture_module
 from dflash.data.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
-from dflash.data.capture import main as capture_main
 from dflash.data.examples import collate, load_examples
 from dflash.data.feature_cache import MANIFEST, PLAN, check_cache
 from dflash.data.target import load_target, target_hidden_states

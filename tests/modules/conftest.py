@@ -1,7 +1,7 @@
 """Fixtures of the module tests; the helpers live in module_runner."""
 
 import pytest
-from module_runner import Processes
+from module_runner import Processes, Run
 
 
 @pytest.fixture
@@ -10,3 +10,9 @@ def processes():
     started = Processes()
     yield started
     started.cleanup()
+
+
+@pytest.fixture
+def run(tmp_path, processes):
+    """One run's paths and the training_run calls on it (module_runner.Run)."""
+    return Run(tmp_path, processes)

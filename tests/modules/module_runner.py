@@ -20,6 +20,7 @@ import pytest
 
 from pvesim import fleet
 from pvesim.procs import is_alive as alive  # live and not a zombie
+from tests.waiting import wait_for
 
 REPO = fleet.REPO
 MODULES = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "modules"
@@ -94,3 +95,41 @@ class Processes:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+# The stand-in run the training_run tests start: it prints, checkpoints on SIGTERM, or misbehaves on request.
+FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
+
+
+class Run:
+    """One run's paths and the module calls on it."""
+
+    def __init__(self, tmp_path, processes, name="main"):
+        self.dir = tmp_path
+        self.processes = processes
+        self.name = name
+        self.pidfile = tmp_path / "state" / f"{name}.pid"
+        self.log = tmp_path / "log" / f"{name}.log"
+
+    def args(self, **extra):
+        return dict(name=self.name, pidfile=str(self.pidfile), log_path=str(self.log), **extra)
+
+    def call(self, **extra):
+        result, rc = run_module("training_run", self.args(**extra))
+        assert "Traceback" not in json.dumps(result)
+        if result.get("pid") and result.get("status") == "running":
+            self.processes.track(result["pid"])
+        return result, rc
+
+    def start(self, *flags, **extra):
+        command = [sys.executable, FAKE_RUN, *flags]
+        result, rc = self.call(command=command, **extra)
+        assert rc == 0, result
+        return result
+
+    def child_pid(self, filename):
+        path = self.dir / filename
+        assert wait_for(path.exists), f"{filename} never written"
+        pid = int(path.read_text())
+        self.processes.track(pid)
+        return pid

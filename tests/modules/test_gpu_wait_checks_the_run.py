@@ -7,8 +7,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from module_runner import Run
 from test_gpu_verify_local import BUSY, IDLE, FakeNvidiaSmi
-from test_training_run_local import Run
 
 CHANGED = "another deploy (or an operator) changed it meanwhile"
 

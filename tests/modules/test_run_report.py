@@ -8,9 +8,8 @@ import json
 import os
 import sys
 
-from module_runner import alive, run_module
+from module_runner import Run, alive, run_module
 from test_gpu_verify_local import BUSY, FakeNvidiaSmi
-from test_training_run_local import Run
 
 from tests.waiting import wait_for
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from module_runner import alive, run_module
+from module_runner import FAKE_RUN, Run, alive, run_module
 from test_gpu_verify_local import BUSY, IDLE, FakeNvidiaSmi
-from test_training_run_local import FAKE_RUN, Run
 
 
 def call(run, smi, **extra):

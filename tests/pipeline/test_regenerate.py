@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash.data.examples import load_examples
 from dflash.data.__main__ import main as data_main
+from dflash.data.examples import load_examples
 from dflash.data.regenerate import GenerationSettings, regenerate
 from dflash.data.target import load_target
 

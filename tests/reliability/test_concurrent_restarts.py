@@ -25,7 +25,10 @@ from tests.reliability.stops_support import (
 )
 from tests.reliability.trial_counts import trials
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: 4 min of randomised trials; make test keeps the run's lock through
+# the training_run tests (a restart waits for another deploy's lock, then acts on the run as it is,
+# tests/modules/test_training_run_files.py) and test_start_waits_for_idle_gpus.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 
 VMID = 203

@@ -34,7 +34,10 @@ from tests.reliability.stops_support import (
 )
 from tests.reliability.trial_counts import trials
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: 4 min of randomised trials; make test keeps the decoy rule
+# through tests/modules/test_training_run_local.py (a decoy naming the run's script survives a stop)
+# and tests/pvesim/test_pkill_trap.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 
 KINDS = ("connection shell", "tail -f of the log", "editor on run.sh", "trainer's name", "second run")

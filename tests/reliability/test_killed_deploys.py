@@ -40,7 +40,9 @@ from tests.reliability.deploy_faults_support import (
 from tests.reliability.trial_counts import trials
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: 2 x 2 min of randomised kills; make test keeps the all-or-nothing
+# switch through test_bad_input.py's fast cases and tests/roles/test_release_tree.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 HEADER = "trial  kill at s  phase        after the kill  quiet s  converge s  last task"
 ROW = "{:5}  {:9}  {:11}  {:14}  {:7}  {:10}  {}"

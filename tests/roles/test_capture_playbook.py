@@ -42,6 +42,9 @@ def capture(fleet, *args):
                       "-e", '{"dflash_capture_args": ["--shard-mb", "1"]}', *args)
 
 
+# Under make test-reliability only: 3 min; make test keeps the capture's stop and resume
+# through tests/dflash/test_feature_cache.py and the playbook's start through the test below.
+@pytest.mark.reliability_full
 def test_a_capture_stops_at_a_shard_boundary_resumes_and_a_release_trains_from_it(fleet):
     slow = {"dflash_release_environment": {"DFLASH_TEST_SHARD_DELAY_S": "3"}}  # a stop lands between shards
     res = capture(fleet, "-e", "dflash_capture_wait=false", "-e", json.dumps(slow))

@@ -11,9 +11,10 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 ROLES_DIR = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
 ROLES = ["proxmox_host", "proxmox_provision", "dflash_env", "dflash_release", "dflash_run"]
 # Roles whose scenario runs only under `make test-reliability`: under `make test` the playbook tests
-# cover them (test_provision.py: create, check mode, diff, idempotence; test_playbooks.py: releases,
-# rollback and the run's lifecycle).
-FULL_ONLY = {"proxmox_provision", "dflash_release", "dflash_run"}
+# cover them (test_provision.py: create, check mode, diff, idempotence; test_playbooks.py: the node's
+# checks, releases, rollback and the run's lifecycle). One scenario (dflash_env's) stays in make test,
+# so molecule itself, pvesim's create and destroy and the idempotence step are checked on every run.
+FULL_ONLY = {"proxmox_host", "proxmox_provision", "dflash_release", "dflash_run"}
 
 
 @pytest.mark.parametrize("role", [pytest.param(r, marks=pytest.mark.reliability_full) if r in FULL_ONLY
