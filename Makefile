@@ -41,7 +41,7 @@ peer-suites: setup ## Fetch the connection test suites of ansible-core and commu
 	@$(PY) scripts/peer_suites.py
 
 # transformers 4.57.1 (what the public DFlash code pins) beside torch 2.13.0, from the package index
-# (tests/dflash/test_export_compat.py reloads an export under it; it skips while this venv is missing).
+# (tests/dflash/serve/test_export_compat.py reloads an export under it; it skips while this venv is missing).
 compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export tests (silent when there).
 	@python3 scripts/compat_venv.py
 

@@ -3,7 +3,7 @@
     python scripts/compat_venv.py            # into .cache/compat-venv/ (make compat-venv); silent when there
 
 The public DFlash inference code pins transformers==4.57.1, which reads a config differently from the
-transformers this project runs (the RoPE base, for one). tests/dflash/test_export_compat.py reloads an
+transformers this project runs (the RoPE base, for one). tests/dflash/serve/test_export_compat.py reloads an
 export under that version in this venv, and skips (naming `make compat-venv`) while it does not exist.
 torch stays on ==2.13.0: its CPU wheel is on disk; a looser pin pulls a multi-GB CUDA build.
 """

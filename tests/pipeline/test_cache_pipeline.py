@@ -11,7 +11,7 @@ import pytest
 from dflash.core.config import load_config
 from dflash.data.capture import capture
 from dflash.data.feature_cache import MANIFEST
-from tests.dflash.test_feature_cache import Log, corrupt
+from tests.dflash.data.test_feature_cache import Log, corrupt
 from tests.pipeline.test_pipeline_run import step_losses
 
 DRAFTERS_ONLY = {"target_workers": 0, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2}

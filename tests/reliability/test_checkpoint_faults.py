@@ -164,7 +164,7 @@ def target():
 
 
 # Under make test-reliability only: 80 s of randomised stops and crashes; make test keeps the stop's
-# checkpoint through tests/dflash/test_train.py and tests/pipeline/test_pipeline_run.py.
+# checkpoint through tests/dflash/training/test_train.py and tests/pipeline/test_pipeline_run.py.
 @pytest.mark.reliability_full
 def test_no_stop_or_crash_loses_the_saved_step(tmp_path, target):
     n = trials(4, 30)

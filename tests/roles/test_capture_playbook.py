@@ -43,7 +43,7 @@ def capture(fleet, *args):
 
 
 # Under make test-reliability only: 3 min; make test keeps the capture's stop and resume
-# through tests/dflash/test_feature_cache.py and the playbook's start through the test below.
+# through tests/dflash/data/test_feature_cache.py and the playbook's start through the test below.
 @pytest.mark.reliability_full
 def test_a_capture_stops_at_a_shard_boundary_resumes_and_a_release_trains_from_it(fleet):
     slow = {"dflash_release_environment": {"DFLASH_TEST_SHARD_DELAY_S": "3"}}  # a stop lands between shards

@@ -19,7 +19,7 @@ from dflash.core.runtime import EventLog
 from dflash.run.main import run_single_process
 from dflash.training.checkpoint import latest_checkpoint, list_checkpoints
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # One tiny checkpoint takes about 160 KiB: this holds one and the run's small files, not two.
 ONE_CHECKPOINT_FS = 256 * 1024
 

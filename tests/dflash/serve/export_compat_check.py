@@ -2,7 +2,7 @@
 
     python export_compat_check.py EXPORT_DIR TARGET_DIR INPUTS.safetensors OUT_DIR
 
-Run by tests/dflash/test_export_compat.py under the project's transformers and under the one the
+Run by tests/dflash/serve/test_export_compat.py under the project's transformers and under the one the
 public DFlash code pins (4.57.1, in the venv of `make compat-venv`). It imports nothing of this
 project: only the export directory, transformers and torch. It writes OUT_DIR/result.json (the
 transformers version, the loading info of `AutoModel.from_pretrained(EXPORT_DIR,

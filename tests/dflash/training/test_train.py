@@ -24,7 +24,7 @@ from dflash.training import checkpoint
 from dflash.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
 from tests.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def events(text: str) -> list[dict]:

@@ -31,7 +31,7 @@ from dflash.serve.export import main as export_main
 from dflash.training.checkpoint import latest_checkpoint, load_drafter
 from tests.dflash.conftest import _tiny_config_dict, make_tiny_target
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHECK_SCRIPT = Path(__file__).with_name("export_compat_check.py")
 COMPAT_VENV = REPO / ".cache" / "compat-venv"
 ROPE_THETA = 1_000_000.0  # Qwen3's; transformers 4's Qwen3Config falls back to 10000 without it

@@ -11,7 +11,7 @@ import yaml
 
 from dflash.core.config import ConfigError, config_from_dict, dump_config, load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path: Path, raw: dict) -> Path:

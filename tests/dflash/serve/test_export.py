@@ -25,7 +25,7 @@ from dflash.serve.export import load_export
 from dflash.serve.export import main as export_main
 from dflash.training.checkpoint import latest_checkpoint, load_drafter
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class ReferenceAttention(nn.Module):

@@ -26,7 +26,7 @@ from dflash.data.target import load_target, target_hidden_states
 from dflash.run.main import run_single_process
 from tests.dflash.conftest import make_tiny_target
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL_SHARDS = 20_000  # bytes: about one batch of the tiny data set per shard
 
 

@@ -15,8 +15,8 @@ from dflash.data.examples import BatchOrder
 from dflash.run import cache_feed
 from dflash.run.transport import FEED_DONE
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
-from tests.dflash.test_feature_cache import SMALL_SHARDS, Log
-from tests.dflash.test_train import step_losses, train_in_process
+from tests.dflash.data.test_feature_cache import SMALL_SHARDS, Log
+from tests.dflash.training.test_train import step_losses, train_in_process
 
 EPOCH = 8  # steps: 32 examples in batches of 4
 
