@@ -156,7 +156,10 @@ def after(index: int, event: str):
     return lambda i, e: i > index and e["event"] == event
 
 
+# Under make test-reliability only (a minute): tests/reliability/test_worker_kills.py kills workers at
+# random moments at full count; make test keeps a crashing worker's stop (the test above).
 @pytest.mark.slow
+@pytest.mark.reliability_full
 def test_a_killed_worker_restarts_the_group_from_the_checkpoint_until_the_limit(
         write_config, start_run, pid_alive):
     config = write_config("restarts", optim={"total_steps": 10_000}, run={"save_every": 2, "step_delay": 0.1},

@@ -12,7 +12,10 @@ import pytest
 from tests.reliability.input_support import deployed_fleet
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: a fleet and two node reboots (3 min); make test keeps the
+# boot resumer's rules (live runs resumed under the lock once their GPUs are idle, stopped ones left
+# stopped) through tests/modules/test_run_resume.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 CONTAINERS = (200, 201)
 LOG = "/var/log/dflash/main.log"
@@ -86,9 +89,6 @@ def test_a_reboot_resumes_every_run_that_was_live_at_saved_step_plus_one(fleet):
     assert table.count("after its container's boot") == len(CONTAINERS), table
 
 
-# Under make test-reliability only: 2 min; make test keeps the reboot's resume (the test above), and
-# the stopped run's state through tests/modules/test_run_resume.py.
-@pytest.mark.reliability_full
 def test_a_run_stopped_on_purpose_stays_stopped_after_a_reboot(fleet):
     assert fleet.play("deploy.yml").rc == 0
     assert fleet.play("stop_training.yml", "-l", "ct201").rc == 0

@@ -33,7 +33,10 @@ from tests.reliability.stops_support import (
 )
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: a fleet of its own (4 min); make test keeps the stale pidfile rules
+# (a reused pid, a dead or zombie process, a start over a stale pidfile) through
+# tests/modules/test_training_run_local.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 
 VMID = 200

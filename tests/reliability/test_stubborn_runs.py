@@ -27,7 +27,9 @@ from tests.reliability.stops_support import (
 )
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only: a fleet of its own (2 to 3 min); make test keeps the SIGKILL after
+# the stop timeout and the group's stragglers through tests/modules/test_training_run_local.py.
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 
 STOP_TIMEOUT = 3

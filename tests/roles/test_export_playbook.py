@@ -203,6 +203,9 @@ def test_a_different_copy_on_the_controller_is_refused_unless_forced(fleet, tmp_
     assert sorted(p.name for p in (tmp_path / "ct200").iterdir()) == [dest.name]  # no staging left
 
 
+# Under make test-reliability only (40 s, and a stop of the fleet's run); make test keeps which
+# checkpoint an export takes through tests/dflash/serve/test_export_checkpoints.py.
+@pytest.mark.reliability_full
 def test_a_named_step_of_a_stopped_run_is_its_checkpoints_weights(fleet, tmp_path):
     ensure_stopped(fleet)
     steps = fleet.ct(200, f"ls {OUTPUT}/checkpoints").stdout.split()

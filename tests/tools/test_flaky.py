@@ -38,9 +38,11 @@ def test_a_test_that_fails_every_second_run_shows_half_its_runs_failed(tmp_path,
     status = flaky.main([test_file, "--runs", "6", "--workers", "1", "--hogs", "1"])
     shown = capsys.readouterr().out
     assert status == 1, shown
-    lines = {line.split()[-1]: line.split()[:3] for line in shown.splitlines() if "test_alternating" in line}
-    assert lines["test_alternating::test_fails_every_second_run"] == ["6", "3", "50.0%"], shown
-    assert lines["test_alternating::test_passes"] == ["6", "0", "0.0%"], shown
+    # A row per test: runs, failed, rate, then the test's id (its class path depends on pytest's rootdir).
+    rows = {line.split()[3].rpartition("::")[2]: line.split()[:3] for line in shown.splitlines()
+            if "test_alternating" in line and "::" in line}
+    assert rows.get("test_fails_every_second_run") == ["6", "3", "50.0%"], shown
+    assert rows.get("test_passes") == ["6", "0", "0.0%"], shown
     assert "first failure: AssertionError: run 1 is odd" in shown
 
 
