@@ -32,11 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds, ragged_lengths  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from dflash.data.target import (  # noqa: E402
-    build_target_layer_ids,
-    target_hidden_states,
-    target_hidden_states_all_layers,
-)
+from dflash.core.target_layers import build_target_layer_ids  # noqa: E402
+from dflash.data.target import target_hidden_states, target_hidden_states_all_layers  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
