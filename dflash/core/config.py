@@ -2,7 +2,7 @@
 
 `load_config(path)` maps the YAML onto `TrainConfig`; unknown keys and wrong types are errors that
 name the key and the value. The command that checks a file, `python -m dflash.config validate`, is
-`dflash/core/config.py`, above the layers whose checks it runs.
+`dflash/config.py`, above the layers whose checks it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 from dflash.core.devices import visible_devices
 from dflash.core.mask_token import mask_token_problem
 from dflash.core.safe_paths import output_dir_problem
-from dflash.core.sections import (  # noqa: F401 (re-exported: the config's names live in dflash.config)
+from dflash.core.sections import (  # noqa: F401 (re-exported: the config's names live in dflash.core.config)
     DEFAULT_LOSS_CHUNK_SIZE,
     DEVICES,
     DTYPES,
