@@ -18,14 +18,8 @@ from pathlib import Path
 
 from benchmarks import sidebyside
 from pvesim import down
-from pvesim.fleet import Fleet, TaskRun, run_module
+from pvesim.fleet import IN_PROCESS, Fleet, TaskRun, run_module
 
-# Actions that run inside the controller's ansible-playbook process: no connection at all.
-IN_PROCESS = {
-    "ansible.builtin.assert", "ansible.builtin.set_fact", "ansible.builtin.debug", "ansible.builtin.fail",
-    "ansible.builtin.include_role", "ansible.builtin.include_tasks", "ansible.builtin.import_tasks",
-    "ansible.builtin.validate_argument_spec", "ansible.builtin.meta", "ansible.builtin.pause",
-}
 TRANSFER = {"ansible.builtin.copy", "ansible.builtin.unarchive", "ansible.builtin.template"}
 
 CATEGORIES = (

@@ -103,6 +103,14 @@ def _epoch(stamp):
     return datetime.fromisoformat(stamp).timestamp()
 
 
+# Actions that run inside the controller's ansible-playbook process: no connection at all.
+IN_PROCESS = {
+    "ansible.builtin.assert", "ansible.builtin.set_fact", "ansible.builtin.debug", "ansible.builtin.fail",
+    "ansible.builtin.include_role", "ansible.builtin.include_tasks", "ansible.builtin.import_tasks",
+    "ansible.builtin.validate_argument_spec", "ansible.builtin.meta", "ansible.builtin.pause",
+}
+
+
 @dataclass
 class TaskRun:
     """One run of a task (a `serial` batch runs each task once per batch): its results per host and
@@ -187,6 +195,13 @@ class PlayResult:
         for task in self.tasks:
             for host, result in task.hosts.items():
                 yield task, host, result
+
+    def connected_tasks(self, host):
+        """The task runs that went through `host`'s own connection (for a container, `pct_pipelined`: each
+        one a round trip into it): not skipped, not run in the controller's process (IN_PROCESS), not
+        delegated to another host (the controller's packing, the node checks)."""
+        return [task for task in self.tasks if host in task.ran and task.action not in IN_PROCESS
+                and "_ansible_delegated_vars" not in task.hosts[host]]
 
     def task_seconds(self):
         """[(task name, host, seconds)] of every host of every task run, from the event stream."""

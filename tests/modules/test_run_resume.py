@@ -12,16 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from module_runner import REPO, alive, run_module
+from module_runner import alive, ansible_module, run_module
 from test_gpu_verify_local import FakeNvidiaSmi
 from test_nvidia_smi import H100_APPS, H100_BUSY, H100_IDLE
 
-from ansible_collections.dflash.ops.plugins.module_utils import run_resume
+from ansible_collections.dflash.ops.plugins.module_utils import run_boot, run_resume
 from tests.waiting import wait_for
 
 FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
-PACK = REPO / "ansible_collections" / "dflash" / "ops" / "roles" / "dflash_run" / "files" / "pack_resume.py"
-MODULE_UTILS = REPO / "ansible_collections" / "dflash" / "ops" / "plugins" / "module_utils"
 
 
 class Box:
@@ -134,20 +132,62 @@ def test_a_run_whose_gpus_are_busy_is_not_started_over_them(box, smi):
     assert result["outcome"] == "resumed" and smi.calls() >= 2, result
 
 
-def test_the_packed_program_runs_on_the_system_python_alone(box, smi, tmp_path):
-    box.died({"state": "running"})
-    pyz = tmp_path / "dflash-resume.pyz"
-    packed = subprocess.run([sys.executable, str(PACK), str(MODULE_UTILS), str(pyz)], capture_output=True,
-                            text=True, check=True)
-    assert json.loads(packed.stdout)["path"] == str(pyz)
-    first = pyz.read_bytes()
-    subprocess.run([sys.executable, str(PACK), str(MODULE_UTILS), str(pyz)], check=True, capture_output=True)
-    assert pyz.read_bytes() == first  # the same sources pack to the same bytes
-    env = {"PATH": f"{smi.bin}:/usr/bin:/bin", "FAKE_NVIDIA_SMI_STEPS": str(smi.steps)}
+def test_the_start_writes_what_its_boot_runs_and_a_second_start_writes_nothing(box, tmp_path):
+    """training_run with `boot`, through Ansible (so the program is packed from the module's own AnsiballZ
+    payload): the start file, the program, the unit and its link, in the start's one call; the program runs
+    on the system python alone and resumes the run killed with its container; a call that finds the run
+    running writes nothing; a unit changed by hand is written again."""
+    systemd, pyz = tmp_path / "systemd", tmp_path / "dflash-resume.pyz"
+    spec_file = box.dir / "main.boot.json"
+    spec_file.unlink()  # the module writes it
+    args = {key: box.spec[key] for key in ("name", "pidfile", "log_path", "command", "chdir", "startup_wait",
+                                           "wait_for", "wait_timeout")}
+    args["boot"] = {"program": str(pyz), "unit_dir": str(systemd), "status_file": box.spec["status_file"]}
+    first = ansible_module("training_run", args)
+    assert first.get("status") == "running", first
+    box.processes.track(first["pid"])
+    unit = systemd / "dflash-resume.service"
+    link = systemd / "multi-user.target.wants" / "dflash-resume.service"
+    assert sorted(first["boot"]["changed"]) == sorted(map(str, (pyz, unit, spec_file, link))), first
+    assert os.readlink(link) == "../dflash-resume.service"
+    assert f"ExecStart=/usr/bin/python3 {pyz} {box.dir}\n" in unit.read_text()
+    assert spec_file.stat().st_mode & 0o777 == 0o600
+    spec = json.loads(spec_file.read_text())
+    assert {k: spec[k] for k in ("command", "pidfile", "status_file", "gpus")} == dict(
+        command=box.spec["command"], pidfile=str(box.pidfile), status_file=box.spec["status_file"], gpus=[])
+
+    os.kill(first["pid"], signal.SIGKILL)  # killed with its container
+    assert wait_for(lambda: not alive(first["pid"]))
+    box.status_file.parent.mkdir(exist_ok=True)
+    box.status_file.write_text(json.dumps({"state": "running"}))
     done = subprocess.run(["/usr/bin/python3", "-I", str(pyz), str(box.dir)], capture_output=True, text=True,
-                          env=env, timeout=60)
+                          env={"PATH": "/usr/bin:/bin"}, timeout=60)
     assert done.returncode == 0, done.stderr
     [line] = done.stdout.splitlines()
-    result = json.loads(line)
-    assert result["outcome"] == "resumed", result
-    box.processes.track(result["pid"])
+    resumed = json.loads(line)
+    assert resumed["outcome"] == "resumed", resumed
+    box.processes.track(resumed["pid"])
+
+    again = ansible_module("training_run", args)  # a no-change deploy: the resumed run is the one running
+    assert (again["pid"], again["changed"], again["boot"]["changed"]) == (resumed["pid"], False, []), again
+    unit.write_text(unit.read_text().replace("multi-user.target", "default.target"))
+    mended = ansible_module("training_run", args)
+    assert mended["changed"] and mended["boot"]["changed"] == [str(unit)], mended
+    assert "WantedBy=multi-user.target" in unit.read_text()
+
+
+def test_the_program_packs_run_resume_and_all_it_imports(tmp_path):
+    """The packed program carries run_resume's whole import closure (it runs with -I, nothing else on its
+    path), and the same sources pack to the same bytes (a deploy that changed nothing rewrites nothing)."""
+    modules = run_boot.sources()
+    assert {"run_resume", "run_start", "run_pidfile", "gpu_state", "safe_paths"} <= set(modules)
+    assert "run_boot" not in modules and "pct_config" not in modules
+    first = run_boot.pack(modules)
+    assert run_boot.pack(run_boot.sources()) == first
+    pyz = tmp_path / "dflash-resume.pyz"
+    pyz.write_bytes(first)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run(["/usr/bin/python3", "-I", str(pyz), str(empty)], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")

@@ -7,11 +7,12 @@ CT 202 and 203.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from pvesim.fleet import Fleet, change_code
+from pvesim.fleet import REPO, Fleet, change_code
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -20,6 +21,11 @@ CONTAINERS = (200, 201, 202, 203)
 HOSTS = [f"ct{v}" for v in CONTAINERS]
 # The start, or a restart's stop, idle check and start, in one call.
 RESTART_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
+
+
+# docs/CONTRACTS.md's table of the round trips into a container that a play may make: {play: count}.
+CONTAINER_TASKS = {row[0]: int(row[1]) for row in re.findall(
+    r"^\| `([a-z_]+\.yml)`[^|]*\| (\d+) \|$", (REPO / "docs" / "CONTRACTS.md").read_text(), re.MULTILINE)}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +126,10 @@ def test_second_deploy_changes_nothing_and_keeps_the_runs(fleet):
     assert res.rc == 0, res
     assert {h: s["changed"] for h, s in res.stats.items() if h in HOSTS} == {h: 0 for h in HOSTS}
     assert pids(fleet) == before
+    # No more round trips into a container than the docs state (a new task must say so there).
+    for host in HOSTS:
+        tasks = [task.name for task in res.connected_tasks(host)]
+        assert 0 < len(tasks) <= CONTAINER_TASKS["deploy.yml"], (host, tasks)
 
 
 def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fleet):
@@ -141,6 +151,10 @@ def test_restart_training_with_limit_restarts_only_that_container_and_resumes(fl
     # The GPUs were idle between the stop and the start: the restart's one call checked them after the stop.
     restart = res.results(RESTART_TASK)["ct201"]
     assert restart["previous_pid"] == before[201]["pid"] and restart["how"] == "terminated", restart
+    # No more round trips into the container than the docs state; the boot unit is in the restart's call.
+    tasks = [task.name for task in res.connected_tasks("ct201")]
+    assert RESTART_TASK in tasks and len(tasks) <= CONTAINER_TASKS["restart_training.yml"], tasks
+    assert restart["boot"]["start_file"] == "/var/lib/dflash/main.boot.json", restart
     idle = restart["gpu_idle"]
     assert idle["met"] and not [p for p in idle["processes"] if p["gpu_index"] in (0, 1)], idle
     # The new run runs the new release and resumed from the old run's checkpoint.

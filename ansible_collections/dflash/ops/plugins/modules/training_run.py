@@ -127,6 +127,34 @@ options:
     description: Seconds O(idle_gpus) may take to become idle.
     type: float
     default: 60
+  boot:
+    description:
+      - When set, a V(started) or V(restarted) call that leaves the run running (started now, or found
+        running) also ensures that the container's boot starts the run again if it is live when the
+        container stops, in the same call. It writes the run's start file
+        C(<pidfile dir>/<name>.boot.json) (root, 0600, this call's arguments), C(dflash-resume.pyz) (the
+        collection's C(run_resume), packed in the container from this module's own payload) and
+        C(dflash-resume.service), enabled in C(multi-user.target). Each is written only when its bytes
+        change (RV(boot)); a changed unit under a running systemd is followed by C(systemctl daemon-reload).
+      - Nothing of it is written when the start fails.
+    type: dict
+    suboptions:
+      python:
+        description: The container's python3 that runs C(dflash-resume.pyz) at boot.
+        type: path
+        default: /usr/bin/python3
+      status_file:
+        description: The run's C(status.json); the boot starts the run again only when it says the run
+          did not end by itself.
+        type: path
+      program:
+        description: Where C(dflash-resume.pyz) goes.
+        type: path
+        default: /usr/local/lib/dflash-resume.pyz
+      unit_dir:
+        description: Where C(dflash-resume.service) goes (and its link, under C(multi-user.target.wants)).
+        type: path
+        default: /etc/systemd/system
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
@@ -235,6 +263,11 @@ log_tail:
     V(status), when the pidfile is stale (the run ended without a stop; it finished, failed or died).
   returned: on start failure; with V(status) and a stale pidfile
   type: str
+boot:
+  description: What O(boot) wrote (C(changed), the paths, or in check mode what it would write) and the
+    start file's path (C(start_file)).
+  returned: with O(boot), when the run is left running
+  type: dict
 gpu_idle:
   description: What the wait for O(idle_gpus) saw at its last read (met, reasons, gpus, processes, table,
     polls, seconds), as M(dflash.ops.gpu_verify) returns it.
@@ -246,6 +279,7 @@ import re
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils import run_boot
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll, unmet_message
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
@@ -289,6 +323,12 @@ ARGUMENT_SPEC = dict(
     idle_gpus=dict(type="list", elements="int"),
     idle_max_memory_mib=dict(type="int", default=100),
     idle_timeout=dict(type="float", default=60),
+    boot=dict(type="dict", options=dict(
+        python=dict(type="path", default="/usr/bin/python3"),
+        status_file=dict(type="path"),
+        program=dict(type="path", default="/usr/local/lib/dflash-resume.pyz"),
+        unit_dir=dict(type="path", default="/etc/systemd/system"),
+    )),
 )
 # Seconds between the reads of nvidia-smi while the start waits for idle GPUs.
 IDLE_POLL_SECONDS = 0.5
@@ -430,6 +470,10 @@ def main():
             env.update(read_environment_file(params["environment_file"]))
         with pidfile_lock(params["pidfile"], enabled=params["state"] != "status" and not module.check_mode):
             result.update(apply_state(module, env))
+            if params["boot"] and params["state"] in ("started", "restarted") and (
+                    result.get("status") == "running" or module.check_mode):
+                result["boot"] = run_boot.ensure(params, params["boot"], check_mode=module.check_mode)
+                result["changed"] = result.get("changed", False) or bool(result["boot"]["changed"])
     except RunError as exc:
         result.update(exc.result)
         module.fail_json(msg=str(exc), **result)
