@@ -32,8 +32,8 @@ task's connection). The restart does its deploy steps while the old run still tr
 outside the window. (The stop's `seconds` come from the task that stopped: a stop of its own, or this
 tree's one call that stops, checks the GPUs idle under the run's lock and starts.)
 
-Targets (this tree): Ansible's part of a restart <= 15 s; Ansible's share of the idle window <= 0.5 s;
-a no-change deploy <= 10 s with changed=0.
+Targets (this tree): Ansible's part of a restart <= 10 s; Ansible's share of the idle window <= 0.3 s;
+a no-change deploy <= 6 s with changed=0.
 
     python -m benchmarks.restart_cycle                 # 2 repeats
     python -m benchmarks.restart_cycle --repeats 5 --no-reference --baseline main
@@ -247,9 +247,9 @@ def parse_args(argv):
     parser.add_argument("--ritual-repeats", type=int, default=3, help="runs of the hand ritual (median)")
     parser.add_argument("--no-reference", action="store_true", help="skip the hand ritual's row")
     parser.add_argument("--vmid", type=int, default=200, help="the container's id")
-    parser.add_argument("--target-restart", type=float, default=15.0, help="Ansible's part of a restart, s")
-    parser.add_argument("--target-noop", type=float, default=10.0, help="a no-change deploy, s")
-    parser.add_argument("--target-idle", type=float, default=0.5,
+    parser.add_argument("--target-restart", type=float, default=10.0, help="Ansible's part of a restart, s")
+    parser.add_argument("--target-noop", type=float, default=6.0, help="a no-change deploy, s")
+    parser.add_argument("--target-idle", type=float, default=0.3,
                         help="the GPU idle window may exceed the trainer's own stop + start by this, s")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also restart with this git revision's playbooks and collection, taking turns")

@@ -6,10 +6,12 @@ load as a DFlash drafter (docs/SERVING.md says how):
 
 - `config.json`: a Qwen3 config with the drafter's shapes (`num_hidden_layers` = draft layers;
   hidden size, heads, head_dim, RoPE, norm epsilon, vocabulary and position limit from the target),
-  `architectures: ["DFlashDraftModel"]`, `is_causal: false` (attention inside a block is
-  bidirectional), `layer_types` with `use_sliding_window`, `sliding_window` and
+  `architectures: ["DFlashDraftModel"]`, `layer_types` with `use_sliding_window`, `sliding_window` and
   `max_window_layers` (`sliding_window_keys`), `num_target_layers`, `block_size`, and
-  `dflash_config: {block_size, mask_token_id, target_layer_ids}`. The RoPE base is written both as
+  `dflash_config: {block_size, mask_token_id, target_layer_ids}`. No `is_causal`: without it every
+  engine attends a full layer both ways inside the block and a sliding layer causally, as the trainer
+  trained them, while an explicit value overrides every layer in current engines (docs/SERVING.md,
+  "Which layers attend causally"). The RoPE base is written both as
   transformers 5 reads it (`rope_parameters`) and as transformers 4 does (top-level `rope_theta`,
   `rope_scaling`): a 4.x reader without the latter silently falls back to a base of 10000.
   `auto_map` names `modeling_dflash.DFlashDraftModel` for `AutoModel(..., trust_remote_code=True)`;
@@ -20,7 +22,8 @@ load as a DFlash drafter (docs/SERVING.md says how):
   from the target;
 - `modeling_dflash.py` and `drafter.py`: this package's `dflash/model/modeling_dflash.py` and
   `dflash/model/drafter.py`, unchanged (the class `auto_map` names, and the layers it was trained with);
-- `README.md`: how to serve this drafter, its speculative token count (block_size - 1) filled in;
+- `README.md`: how to serve this drafter with each engine, the count each engine's flag wants filled in
+  (vLLM and TensorRT-LLM block_size - 1, SGLang block_size);
 - `SHA256SUMS`: the sha256 of every other file (`sha256sum -c SHA256SUMS` checks a copy), written
   last: a directory without it is an export that did not finish.
 
@@ -99,7 +102,6 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "is_causal": False,
         "tie_word_embeddings": False,
         "use_cache": False,
         "bos_token_id": target.get("bos_token_id"),
@@ -122,7 +124,14 @@ the mask token {mask} (`dflash_config.mask_token_id`). It has no embedding or lm
 the engine uses the target's. Serve it with the target it was trained for. `sha256sum -c SHA256SUMS`
 in this directory checks a copy of it.
 
-Every engine proposes block_size - 1 = {draft_tokens} tokens per step.
+The drafter proposes block_size - 1 = {draft_tokens} tokens after each anchor. The count each engine's
+flag wants (another value still gives correct output, with far fewer tokens accepted):
+
+| engine | flag | value |
+|---|---|---|
+| vLLM | `num_speculative_tokens` | {draft_tokens} (block_size - 1) |
+| SGLang | `--speculative-num-draft-tokens` | {block_size} (the block size, anchor included) |
+| TensorRT-LLM | `max_draft_len` | {draft_tokens} (block_size - 1) |
 
 Its layers' attention (`layer_types`): {attention}.
 
@@ -149,11 +158,26 @@ correct output, with far fewer tokens accepted.
 
 ```
 python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH \\
-    --speculative-draft-model-path {out_dir}
+    --speculative-draft-model-path {out_dir} --speculative-num-draft-tokens {block_size}
 ```
 
-SGLang reads the block size from `dflash_config`. It skips weight names it does not know without
-a word: this directory's names are `fc`, `hidden_norm`, `layers.*`, `norm`.
+SGLang reads the block size from `dflash_config`; another `--speculative-num-draft-tokens` only logs
+"DFLASH block size mismatch". It skips weight names it does not know and never checks for missing
+ones: this directory's names are exactly its class's (`fc`, `hidden_norm`, `layers.*`, `norm`), which
+the export checked. SGLang serves DFlash on CUDA and NPU only, without DP attention, with pipeline
+parallelism 1, and 48 running requests unless `--max-running-requests` says otherwise.
+
+## TensorRT-LLM (PyTorch backend)
+
+```yaml
+speculative_config:
+  decoding_type: DFlash
+  max_draft_len: {draft_tokens}
+  speculative_model_dir: {out_dir}
+```
+
+It reads `dflash_config.mask_token_id`, `target_layer_ids` and the top-level `block_size`, and sizes
+its context from `max_position_embeddings`.
 
 ## The public DFlash code (z-lab/dflash, transformers 4.57.1)
 
@@ -245,6 +269,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
+    problem = weight_name_problem(config, model_state)
+    if problem is not None:
+        raise ValueError(f"{checkpoint}: {problem}; nothing was exported")
     out_dir = ensure_dir(out_dir)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # until it is written again, the export is unfinished
     weights = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in model_state.items()}
@@ -257,6 +284,24 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     names = ["config.json", "model.safetensors", *(source.name for source in CODE_FILES), "README.md"]
     write_file(out_dir / MANIFEST, "".join(f"{sha256_of(out_dir / name)}  {name}\n" for name in names))
     return out_dir
+
+
+def weight_name_problem(config: dict, names) -> str | None:
+    """Why a loader would not get exactly the weights `names` (SGLang skips a name it does not know and
+    never checks for a missing one, so a misnamed export would serve with random weights): the names
+    checked against the parameters of the class the export ships (`modeling_dflash.DFlashDraftModel`,
+    built from `config` on the meta device). None when they match."""
+    from transformers import Qwen3Config
+
+    with torch.device("meta"):
+        model = modeling_dflash.DFlashDraftModel(Qwen3Config.from_dict(config))
+    expected, got = set(model.state_dict()), set(names)
+    missing, extra = sorted(expected - got), sorted(got - expected)
+    if not missing and not extra:
+        return None
+    words = [f"missing {', '.join(missing)}"] if missing else []
+    words += [f"not loaded by the exported class: {', '.join(extra)}"] if extra else []
+    return f"the weights do not match the exported class's parameters ({'; '.join(words)})"
 
 
 def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:

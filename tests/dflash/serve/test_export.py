@@ -146,7 +146,8 @@ def test_the_export_reloads_to_the_checkpoints_block_logits_exactly(exported):
     assert config.architectures == ["DFlashDraftModel"] and config.num_hidden_layers == 2
     assert config.dflash_config == {"block_size": 4, "mask_token_id": trained.cfg.mask_token_id,
                                     "target_layer_ids": layer_ids}
-    assert config.num_target_layers == target.config.num_hidden_layers and config.is_causal is False
+    assert config.num_target_layers == target.config.num_hidden_layers
+    assert getattr(config, "is_causal", None) is None  # each engine's per-layer default is what was trained
     assert config.layer_types == trained.cfg.layer_types
     assert config.sliding_window == trained.cfg.sliding_window
     reference = ReferenceDrafter(config)
@@ -182,6 +183,9 @@ def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_
     block_size = config["dflash_config"]["block_size"]
     assert f'"num_speculative_tokens": {block_size - 1}' in readme and f'"model": "{out}"' in readme
     assert "--speculative-algorithm DFLASH" in readme and "trust_remote_code=True" in readme
+    # Each engine's count: SGLang's flag is the block size, vLLM's and TensorRT-LLM's one less.
+    assert f"--speculative-num-draft-tokens {block_size}" in readme
+    assert f"max_draft_len: {block_size - 1}" in readme
     assert f"mask token {config['dflash_config']['mask_token_id']}" in readme
 
 
@@ -189,19 +193,20 @@ def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_
 def test_the_export_says_which_layers_slide_in_the_keys_the_readers_take(exported, tmp_path):
     checkpoint, out, target = exported
     config = json.loads((out / "config.json").read_text())
-    keys = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "is_causal")
+    keys = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")
+    assert "is_causal" not in config  # an explicit value overrides every layer's type in current engines
     sliding = load_drafter(checkpoint, target)[0].cfg.sliding_window is not None
     if sliding:
         assert {key: config[key] for key in keys} == {
             "layer_types": SLIDING["layer_types"], "use_sliding_window": True, "sliding_window": 6,
-            "max_window_layers": 0, "is_causal": False}
+            "max_window_layers": 0}
         readme = (out / "README.md").read_text()
         assert "the sliding_attention layers have a window of 6 tokens" in readme
         assert "VLLM_USE_V2_MODEL_RUNNER=1" in readme  # vLLM needs it for mixed layer types
     else:
         assert {key: config[key] for key in keys} == {
             "layer_types": ["full_attention"] * 2, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": 2, "is_causal": False}
+            "max_window_layers": 2}
     # Without use_sliding_window, Qwen3Config drops the window: such a directory is refused, not
     # served with full attention.
     edited = tmp_path / "edited"

@@ -213,3 +213,20 @@ def test_an_export_of_a_named_step_is_kept_after_the_run_removed_its_checkpoint(
     shutil.rmtree(tmp_path / "exports")
     rc, _, err = export(capsys, "--checkpoint", run, "--step", 5, "--into", tmp_path / "exports")
     assert rc == 2 and f"{run} has no checkpoint of step 5; its checkpoints are steps 10" in err
+
+
+def test_weights_the_exported_class_would_not_load_are_refused_before_anything_is_written(
+        trained_run, tmp_path, capsys):
+    """SGLang skips a weight name it does not know and never checks for a missing one: a misnamed export
+    would serve with random weights. The export checks the names against its own class's parameters."""
+    from safetensors.torch import load_file, save_file
+
+    run, _ = trained_run
+    step = tmp_path / "renamed"
+    shutil.copytree(run / "checkpoints" / checkpoint_name(10), step)
+    state = load_file(str(step / "model.safetensors"))
+    state["final_norm.weight"] = state.pop("norm.weight")
+    save_file(state, str(step / "model.safetensors"))
+    rc, _, err = export(capsys, "--checkpoint", step, "--out", tmp_path / "out")
+    assert rc == 2 and "missing norm.weight" in err and "final_norm.weight" in err, err
+    assert not (tmp_path / "out").exists()
