@@ -59,6 +59,14 @@ class TrainConfig:
         """Loss decay constant: the configured one, else the paper's value for the block size."""
         return self.optim.gamma if self.optim.gamma is not None else default_gamma(self.model.block_size)
 
+    @property
+    def loss_weighting(self) -> dict:
+        """How the block positions are weighted, as a checkpoint and an export record it: `{"loss_weighting":
+        "decay", "gamma": g}` or `{"loss_weighting": "dpace", "dpace_alpha": a}`."""
+        if self.optim.loss_weighting == "dpace":
+            return {"loss_weighting": "dpace", "dpace_alpha": self.optim.dpace_alpha}
+        return {"loss_weighting": "decay", "gamma": self.gamma}
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

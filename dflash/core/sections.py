@@ -16,6 +16,7 @@ DEFAULT_LOSS_CHUNK_SIZE = 512
 DEVICES = ("cpu", "cuda")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model.drafter's, without importing torch
 FEATURE_CHECKS = ("checksums", "sizes")
+LOSS_WEIGHTINGS = ("decay", "dpace")  # optim.loss_weighting
 
 
 class ConfigError(ValueError):
@@ -165,6 +166,11 @@ class OptimConfig(Section):
     max_grad_norm: float = 1.0
     total_steps: int = 1000
     gamma: float | None = None
+    # How the block positions' cross entropies are weighted (dflash.model.loss): decay, DFlash's fixed
+    # exp(-(k-1)/gamma); dpace, D-PACE's weights from the drafter's own confidence (dpace_alpha its
+    # smoothing), as SpecForge defines them.
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     _name = "optim"
 
     def __post_init__(self) -> None:
@@ -176,6 +182,9 @@ class OptimConfig(Section):
         self._require(self.total_steps >= 1, "total_steps", "must be >= 1")
         if self.gamma is not None:
             self._require(self.gamma > 0, "gamma", "must be > 0")
+        self._require(self.loss_weighting in LOSS_WEIGHTINGS, "loss_weighting",
+                      f"must be one of {', '.join(LOSS_WEIGHTINGS)}")
+        self._require(0 <= self.dpace_alpha <= 1, "dpace_alpha", "must be in [0, 1]")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Anchors, block batches, the block attention mask and the decayed loss.
+"""Anchors, block batches, the block attention mask and the weighted loss (DFlash's decay, or D-PACE).
 
 Two bugs that public trainers shipped are pinned by the tests of this file:
 - labels are NOT shifted: block position k is scored against the token at anchor + k;
@@ -74,6 +74,30 @@ def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
     return decay
 
 
+def dpace_weights(ce: torch.Tensor, scored: torch.Tensor, alpha: float) -> torch.Tensor:
+    """`[n_blocks, b]` D-PACE weights (D-PACE, arXiv 2605.18810, Eq. 7 and 8; as SpecForge computes them,
+    `specforge/algorithms/common/dflash_family_model.py` `_dpace_weight` at a6b6b023) from each block
+    position's cross entropy `ce` and whether it is `scored` (both `[n_blocks, b]`): the drafter's
+    confidence q = exp(-ce), smoothed q~ = (1 - alpha) q + alpha (1 where not scored, a no-op in the
+    products), P_m = q~_1 ... q~_m, and w_j = sum of P_m over the scored m >= j: position j's share of
+    the block's expected accepted length. 0 where not scored; no gradient flows through them."""
+    with torch.no_grad():
+        smooth = torch.where(scored, (1.0 - alpha) * torch.exp(-ce.float()) + alpha, 1.0)
+        prefix = torch.cumprod(smooth, dim=-1) * scored
+        return prefix.flip(-1).cumsum(-1).flip(-1) * scored
+
+
+def dpace_row_weights(ce: torch.Tensor, rows: torch.Tensor, n_rows: int, block_size: int,
+                      alpha: float) -> torch.Tensor:
+    """`dpace_weights` of scored rows: `ce[i]` is the cross entropy of block row `rows[i]` of `n_rows`
+    (the blocks' rows one block after another, b each)."""
+    grid = torch.zeros(n_rows, dtype=torch.float32, device=ce.device)
+    grid[rows] = ce.detach().float()
+    scored = torch.zeros(n_rows, dtype=torch.bool, device=ce.device)
+    scored[rows] = True
+    return dpace_weights(grid.view(-1, block_size), scored.view(-1, block_size), alpha).view(-1)[rows]
+
+
 def build_block_attention_mask(context_doc: torch.Tensor, context_pos: torch.Tensor,
                                block_doc: torch.Tensor, block_anchor: torch.Tensor,
                                block_size: int, window: int | None = None) -> torch.Tensor:
@@ -124,11 +148,14 @@ def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqle
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+                normalizer: float | torch.Tensor | None = None, weigh=None) -> torch.Tensor:
     """sum(w * ce) / sum(w), cross entropy in float32; 0 (with a graph) when nothing is scored.
-    `normalizer` replaces sum(w) when a batch's loss is accumulated over several parts."""
+    `normalizer` replaces sum(w) when a batch's loss is accumulated over several parts. With `weigh`
+    (D-PACE: `dpace_row_weights`) the weights are `weigh(ce)`, detached, and still divided by sum(w)."""
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
     total = weights.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weights.dtype)
+    if weigh is not None:
+        weights = weigh(ce.detach())
     return (weights * ce).sum() / total.clamp_min(1e-6)
 
 
@@ -164,10 +191,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     freed: no `[rows, vocab]` tensor outlives its chunk, and backward only scales the stored
     `[rows, H]` gradient, so the head runs twice per row as in the unchunked path, not three times
     as recomputation would. Under autocast the head and its gradient run in the autocast dtype and
-    the cross entropy in float32, as `F.linear` and `dflash_loss` do unchunked."""
+    the cross entropy in float32, as `F.linear` and `dflash_loss` do unchunked. With `weigh` (D-PACE)
+    the rows' weights depend on their cross entropies: each chunk keeps its rows' unscaled gradient,
+    and all rows are scaled by `weigh(ce)` once every chunk is done."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size):
+    def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size, weigh):
         needs_grad = ctx.needs_input_grad[0]
         device_type = hidden.device.type
         compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
@@ -177,6 +206,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        ce_rows = None if weigh is None else torch.empty(hidden.shape[0], dtype=torch.float32,
+                                                         device=hidden.device)
         with torch.autocast(device_type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
@@ -188,18 +219,28 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
                 correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
                 hits += torch.bincount(offsets[rows][correct], minlength=block_size)
-                loss -= (weights[rows] * log_probs.gather(1, label[:, None]).squeeze(1)).sum()
+                token_log_probs = log_probs.gather(1, label[:, None]).squeeze(1)
+                if ce_rows is None:
+                    loss -= (weights[rows] * token_log_probs).sum()
+                else:
+                    ce_rows[rows] = -token_log_probs
                 if needs_grad:
                     probs = log_probs.exp_()  # in place: the softmax
                     probs[torch.arange(label.numel(), device=label.device), label] -= 1.0
                     # (softmax - one-hot) * w / normalizer, rounded once to the head's dtype, as the
-                    # unchunked backward rounds its float32 gradient on the way into the head.
-                    grad_logits = torch.mul(probs, scale[rows, None],
+                    # unchunked backward rounds its float32 gradient on the way into the head (with
+                    # `weigh`: unscaled, scaled below).
+                    grad_logits = torch.mul(probs, 1.0 if ce_rows is not None else scale[rows, None],
                                             out=torch.empty(probs.shape, dtype=compute, device=probs.device))
                     del probs
                     grad_hidden[rows] = (grad_logits @ head).to(hidden.dtype)
                     del grad_logits
                 del log_probs
+        if ce_rows is not None:
+            row_weights = weigh(ce_rows)
+            loss = (row_weights * ce_rows).sum()
+            if needs_grad:
+                grad_hidden.mul_((row_weights / normalizer).to(grad_hidden.dtype)[:, None])
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(hits)
         return loss / normalizer, hits
@@ -207,14 +248,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_hits):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
 
 
 def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
                       weights: torch.Tensor, offsets: torch.Tensor, block_size: int, chunk_size: int,
-                      normalizer: float | torch.Tensor | None = None
+                      normalizer: float | torch.Tensor | None = None, weigh=None
                       ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """`dflash_loss(lm_head(hidden), labels, weights, normalizer)` over rows `[N, H]`, the head
+    """`dflash_loss(lm_head(hidden), labels, weights, normalizer, weigh)` over rows `[N, H]`, the head
     applied `chunk_size` rows at a time (`_ChunkedHeadLoss`), with what `count_correct_by_position`
     gives from the same chunks: per block position k (`offsets` giving each row's k), the scored
     rows whose argmax is the label and the scored rows. The head must be frozen."""
@@ -225,6 +266,6 @@ def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     total = weights.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weights.dtype)
     total = total.to(weights.device).clamp_min(1e-6)
     loss, hits = _ChunkedHeadLoss.apply(hidden, lm_head.weight, labels, weights.float(), offsets, total,
-                                        chunk_size, block_size)
+                                        chunk_size, block_size, weigh)
     counts = torch.bincount(offsets[weights > 0], minlength=block_size)
     return loss, hits.tolist(), counts.tolist()

@@ -269,6 +269,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
+    # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters.
+    config["dflash_training"] = meta.get("loss_weighting") or {"loss_weighting": "decay"}
     problem = weight_name_problem(config, model_state)
     if problem is not None:
         raise ValueError(f"{checkpoint}: {problem}; nothing was exported")

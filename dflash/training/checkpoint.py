@@ -244,6 +244,18 @@ def fit_to_checkpoint(drafter_cfg: DrafterConfig, meta: dict, configured_mask: i
                               "train from scratch in another run.output_dir")
 
 
+def check_loss_weighting(configured: dict, meta: dict) -> None:
+    """Refuse to resume a checkpoint under another loss weighting (`optim.loss_weighting`, its gamma or
+    dpace_alpha) than the one it was trained with: the optimizer's state and the schedule belong to that
+    objective. A checkpoint from before the key trained with the decay (its gamma unrecorded)."""
+    trained = meta.get("loss_weighting") or {"loss_weighting": "decay"}
+    for key, value in trained.items():
+        if configured.get(key) != value:
+            raise ConfigError(f"optim.{key}", f"{configured.get(key)!r} differs from {value!r}, what the "
+                              "checkpoint was trained with; set it to the checkpoint's to resume, or train "
+                              "from scratch in another run.output_dir")
+
+
 def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
     """The drafter saved in checkpoint `path`, around `target`'s frozen embedding and lm_head, in
     eval mode and the target's dtype and device; with the target layer ids it was trained on."""

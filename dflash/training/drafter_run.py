@@ -34,6 +34,7 @@ from dflash.core.runtime import EventLog
 from dflash.data.examples import BatchOrder, load_examples
 from dflash.data.target import TargetHead
 from dflash.training.checkpoint import (
+    check_loss_weighting,
     fit_to_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -111,6 +112,7 @@ class DrafterRun:
             return
         model_state, state, meta = load_checkpoint(checkpoint)
         fit_to_checkpoint(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
+        check_loss_weighting(self.cfg.loss_weighting, meta)
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])
@@ -133,7 +135,8 @@ class DrafterRun:
         if self.drafters.writes_files:
             drafter = self.trainer.drafter
             meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
-                    "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype}
+                    "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
+                    "loss_weighting": self.cfg.loss_weighting}
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
             try:
                 path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,

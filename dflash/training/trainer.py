@@ -12,6 +12,7 @@ moments, scheduler, step (the anchor RNG, one per drafter rank, is saved by the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from dflash.model.loss import (
     chunked_head_loss,
     count_correct_by_position,
     dflash_loss,
+    dpace_row_weights,
     sample_anchors,
 )
 
@@ -105,21 +107,26 @@ def document_groups(bounds: list[int], blocks_per_document: list[int], max_token
 
 
 def scored_loss(drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch,
-                normalizer: float | torch.Tensor,
-                chunk_size: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
+                normalizer: float | torch.Tensor, chunk_size: int | None,
+                dpace_alpha: float | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
     """A group's share of the batch loss (sum(w * ce) / `normalizer`) from the drafter's hidden
     states `[Q, H]`, and per block position the scored predictions equal to the label and the
     scored predictions. The lm_head (vocab-wide) runs only where a position is scored, never on
-    anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all at once when None."""
+    anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all at once when None. With
+    `dpace_alpha` the weights are D-PACE's, from the drafter's own cross entropies of this pass
+    (`dflash.model.loss.dpace_row_weights`; the batch's weights then only say which rows are scored)."""
     block_size = drafter.cfg.block_size
     is_scored = batch.weights > 0
     labels, weights = batch.labels[is_scored], batch.weights[is_scored]
-    offsets = (torch.arange(is_scored.numel(), device=is_scored.device) % block_size)[is_scored]
+    rows = torch.arange(is_scored.numel(), device=is_scored.device)[is_scored]
+    offsets = rows % block_size
+    weigh = None if dpace_alpha is None else functools.partial(
+        dpace_row_weights, rows=rows, n_rows=is_scored.numel(), block_size=block_size, alpha=dpace_alpha)
     if chunk_size is not None:
         return chunked_head_loss(hidden[is_scored], drafter.lm_head, labels, weights, offsets, block_size,
-                                 chunk_size, normalizer)
+                                 chunk_size, normalizer, weigh)
     logits = drafter.logits(hidden[is_scored])
-    loss = dflash_loss(logits, labels, weights, normalizer=normalizer)
+    loss = dflash_loss(logits, labels, weights, normalizer=normalizer, weigh=weigh)
     return (loss, *count_correct_by_position(logits, labels, weights, offsets, block_size))
 
 
@@ -153,7 +160,10 @@ class DrafterTrainer:
         self.ddp = None if process_group is None else DistributedDataParallel(drafter,
                                                                               process_group=process_group)
         self.cfg = cfg
-        self.gamma = cfg.gamma
+        # D-PACE weighs the positions itself (scored_loss); the batch's weights then only mark them.
+        dpace = cfg.optim.loss_weighting == "dpace"
+        self.gamma = math.inf if dpace else cfg.gamma
+        self.dpace_alpha = cfg.optim.dpace_alpha if dpace else None
         self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim)
         self.anchor_generator = torch.Generator().manual_seed(anchor_seed(cfg.run.seed, rank))
         self.step = 0
@@ -206,7 +216,7 @@ class DrafterTrainer:
                     hidden = forward(features[start:end], position_ids[start:end],
                                           batch.block_input_ids, batch.block_positions, batch.sparse_mask)
                     loss, hits, counts = scored_loss(self.drafter, hidden, batch, total_weight,
-                                                     self.cfg.model.loss_chunk_size)
+                                                     self.cfg.model.loss_chunk_size, self.dpace_alpha)
                 loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
             loss_sum += float(loss.detach())
             hits_by_position = [a + b for a, b in zip(hits_by_position, hits, strict=True)]
