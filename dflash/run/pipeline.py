@@ -34,7 +34,6 @@ gives) before it exits non-zero; the launcher reads it to name the cause of a fa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal as signal_module
 import sys
@@ -62,7 +61,7 @@ from dflash.run.ranks import BatchSchedule, first_rank, member_leader, rank_tabl
 from dflash.run.transport import FEED_DONE, BatchFeed, send_batch, send_end_markers
 from dflash.training.checkpoint import list_checkpoints
 from dflash.training.drafter_run import DrafterRun, latest_to_resume
-from dflash.training.trainer import StepResult, resolve_layer_ids
+from dflash.training.trainer import StepResult, reduce_step, resolve_layer_ids
 
 # A test knob: "<worker name>:<n>" makes that worker raise at its n-th batch (target) or step (drafter).
 FAIL_ENV = "DFLASH_TEST_FAIL_AT"
@@ -152,15 +151,9 @@ class DrafterGroup:
         return bool(value.item())
 
     def mean(self, result: StepResult) -> StepResult:
-        """The step's loss and accuracy averaged over the drafters, its tokens summed (a collective)."""
-        if self.process_group is None:
-            return result
-        figures = torch.tensor([result.loss, result.accuracy, result.num_tokens], dtype=torch.float64,
-                               device=self.device)
-        dist.all_reduce(figures, group=self.process_group)
-        n = self.ctx.schedule.num_drafters
-        return dataclasses.replace(result, loss=figures[0].item() / n, accuracy=figures[1].item() / n,
-                                   num_tokens=int(figures[2].item()))
+        """The step over all drafters (a collective): the global objective's loss, the accuracy over
+        every drafter's scored positions, tokens and blocks summed (`dflash.training.trainer.reduce_step`)."""
+        return reduce_step(result, self.process_group, self.device)
 
     def checkpoint_to_resume(self, output_dir: Path, resume: bool) -> Path | None:
         """Across members: the latest step every member has a checkpoint of (a member whose last

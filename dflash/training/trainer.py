@@ -12,6 +12,7 @@ moments, scheduler, step (the anchor RNG, one per drafter rank, is saved by the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -144,6 +145,39 @@ class StepResult:
     position_counts: list[int] = field(default_factory=list)
 
 
+def global_normalizer(weight: torch.Tensor, process_group) -> torch.Tensor:
+    """What each drafter rank divides its sum(w * ce) by so that the objective is one token-weighted mean
+    over every drafter's scored positions: the weight summed over the drafters (one scalar all-reduce)
+    over their count, since DDP then averages the ranks' gradients. Each rank's gradient is thus its
+    share of sum_all(w * ce) / sum_all(w), and their mean is the gradient of one process on the
+    concatenated batch; a rank with nothing scored adds nothing and divides by the same."""
+    if process_group is None:
+        return weight
+    total = torch.as_tensor(weight, dtype=torch.float32).reshape(1).clone()
+    torch.distributed.all_reduce(total, group=process_group)
+    return total[0] / torch.distributed.get_world_size(process_group)
+
+
+def reduce_step(result: StepResult, process_group, device: torch.device) -> StepResult:
+    """The step as all drafters saw it (a collective): the loss averaged over them (each rank's is its
+    share of the global mean times their count, `global_normalizer`: the mean is that mean), tokens and
+    blocks summed, and the accuracy over every
+    drafter's scored positions, per block position too (nan only when no drafter scored any)."""
+    if process_group is None:
+        return result
+    b = len(result.position_hits)
+    figures = torch.tensor([result.loss, result.num_tokens, result.num_blocks, *result.position_hits,
+                            *result.position_counts], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(figures, group=process_group)
+    values = figures.tolist()
+    hits, counts = [int(v) for v in values[3: 3 + b]], [int(v) for v in values[3 + b:]]
+    scored = sum(counts)
+    world = torch.distributed.get_world_size(process_group)
+    return dataclasses.replace(result, loss=values[0] / world, num_tokens=int(values[1]), num_blocks=int(values[2]),
+                               accuracy=sum(hits) / scored if scored else math.nan,
+                               position_hits=hits, position_counts=counts)
+
+
 def anchor_seed(seed: int, rank: int) -> int:
     """The anchor RNG's seed of drafter rank `rank`: the run's seed for rank 0 (so one drafter
     draws what the single-process trainer draws), a distinct stream for every other rank."""
@@ -159,6 +193,7 @@ class DrafterTrainer:
         self.drafter = drafter
         self.ddp = None if process_group is None else DistributedDataParallel(drafter,
                                                                               process_group=process_group)
+        self.process_group = process_group
         self.cfg = cfg
         # D-PACE weighs the positions itself (scored_loss); the batch's weights then only mark them.
         dpace = cfg.optim.loss_weighting == "dpace"
@@ -200,7 +235,9 @@ class DrafterTrainer:
                                       position_ids[start:end], anchors[first:last], dcfg.block_size,
                                       dcfg.mask_token_id, self.gamma)
             parts.append((start, end, batch))
-        total_weight = sum(batch.weights.sum() for _, _, batch in parts)
+        # One token-weighted mean over every drafter's scored positions (the batch's, with one drafter).
+        total_weight = global_normalizer(sum(batch.weights.sum() for _, _, batch in parts),
+                                         self.process_group)
 
         self.drafter.train()
         forward = self.drafter if self.ddp is None else self.ddp
