@@ -251,6 +251,32 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
 
 
+@torch.no_grad()
+def chunked_head_eval(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
+                      weights: torch.Tensor, chunk_size: int | None) -> tuple[float, torch.Tensor]:
+    """sum(w * ce) and the argmax of every row of `hidden` `[N, H]` through the frozen `lm_head`, without
+    gradient, `chunk_size` rows at a time (all at once when None): the training head's bound and dtypes
+    (the head in the autocast dtype when autocast is on, the log-softmax in float32) for an evaluation,
+    so no `[N, vocab]` tensor exists."""
+    device_type = hidden.device.type
+    compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+               else lm_head.weight.dtype)
+    head = lm_head.weight.to(compute)
+    argmax = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    step = max(1, chunk_size or hidden.shape[0])
+    with torch.autocast(device_type, enabled=False):
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            logits = F.linear(hidden[rows].to(compute), head)
+            log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            del logits
+            argmax[rows] = log_probs.argmax(-1)
+            total -= (weights[rows] * log_probs.gather(1, labels[rows, None]).squeeze(1)).sum()
+            del log_probs
+    return float(total), argmax
+
+
 def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
                       weights: torch.Tensor, offsets: torch.Tensor, block_size: int, chunk_size: int,
                       normalizer: float | torch.Tensor | None = None, weigh=None

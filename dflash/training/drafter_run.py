@@ -45,7 +45,13 @@ from dflash.training.checkpoint import (
 )
 from dflash.training.heldout import HeldOutEvaluator
 from dflash.training.telemetry import IntervalMeter, RunTelemetry
-from dflash.training.trainer import DrafterTrainer, StepResult, build_drafter, resolve_layer_ids
+from dflash.training.trainer import (
+    DrafterTrainer,
+    StepResult,
+    build_drafter,
+    compute_precision,
+    resolve_layer_ids,
+)
 
 
 def latest_to_resume(output_dir: Path, resume: bool) -> Path | None:
@@ -100,7 +106,8 @@ class DrafterRun:
         cfg = self.cfg
         held_out = load_examples(cfg.data.eval_path, cfg.data.max_length, self.vocab_size)
         self.heldout = HeldOutEvaluator(target, held_out[: cfg.data.eval_examples], self.layer_ids,
-                                        cfg.data.max_anchors, cfg.gamma)
+                                        cfg.data.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
+                                        lambda device: compute_precision(cfg, device))
 
     def random_state(self) -> dict:
         """This rank's random state: its anchor RNG and the process RNGs."""

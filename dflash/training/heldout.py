@@ -1,10 +1,14 @@
 """Held-out loss and acceptance length during training, cheap enough to compute every few hundred steps.
 
 The held-out examples' target features are computed once (the target is frozen). Each evaluation
-is then drafter passes only: a block at every response position (in chunks of `data.max_anchors`
-blocks, the memory bound of a training step), which gives
+is then drafter passes only: a block at every response position, in chunks of `data.max_anchors`
+blocks through the training step's block-sparse attention, in its precision (`precision`, the
+training autocast), and the lm_head `chunk_size` rows at a time (`model.loss_chunk_size`,
+`chunked_head_eval`): its peak memory is that of a training step's forward at the same shape, never a
+chunk's `[blocks x b, vocab]` logits. It gives
 
-- the loss: the training loss (same weights) over those blocks;
+- the loss: the training loss with the decay's weights over those blocks (D-PACE's depend on the
+  drafter itself, so the held-out loss stays the decay-weighted one and runs of either compare);
 - tau and the acceptance by draft position of greedy speculative decoding replayed on the response:
   from the response's first token, each step accepts the drafts that equal the response's next
   tokens, gains them plus one, and moves on. When the held-out responses are the target's own greedy
@@ -14,6 +18,7 @@ blocks, the memory bound of a training step), which gives
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +28,7 @@ from dflash.data.examples import Example, collate
 from dflash.data.target import target_hidden_states
 from dflash.model.acceptance import AcceptanceStats, replay_acceptance
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.loss import build_block_batch, dflash_loss
+from dflash.model.loss import build_block_batch, chunked_head_eval
 
 
 @dataclass
@@ -48,8 +53,11 @@ class HeldOutEvaluator:
     """The held-out figures of a drafter on `examples` (those with a prompt and a response)."""
 
     def __init__(self, target: nn.Module, examples: list[Example], layer_ids: list[int], max_anchors: int,
-                 gamma: float):
-        self.max_anchors, self.gamma = max_anchors, gamma
+                 gamma: float, chunk_size: int | None = None, precision=None):
+        """`precision(device)`: the context the drafter's forward and head run in (the training's
+        autocast; none by default); `chunk_size`: lm_head rows at a time (None: all of a chunk's)."""
+        self.max_anchors, self.gamma, self.chunk_size = max_anchors, gamma, chunk_size
+        self.precision = precision or (lambda device: contextlib.nullcontext())
         self.documents: list[HeldOutDocument] = []
         for example in examples:
             mask = example.loss_mask.tolist()
@@ -82,14 +90,17 @@ class HeldOutEvaluator:
                 batch = build_block_batch(doc.input_ids.to(device), doc.loss_mask.to(device), cu_seqlens,
                                           positions, [chunk], block_size, drafter.cfg.mask_token_id,
                                           self.gamma)
-                hidden = drafter(doc.features.to(device), positions, batch.block_input_ids,
-                                 batch.block_positions, batch.attention_mask)
-                logits = drafter.logits(hidden)
-                weight = float(batch.weights.sum())
-                if weight > 0:
-                    weighted_ce += float(dflash_loss(logits, batch.labels, batch.weights)) * weight
-                    total_weight += weight
-                predicted = logits.argmax(-1).view(-1, block_size)[:, 1:].tolist()
+                drafted = torch.arange(batch.labels.numel(), device=device) % block_size > 0  # not anchors
+                with self.precision(device):
+                    hidden = drafter(doc.features.to(device), positions, batch.block_input_ids,
+                                     batch.block_positions, batch.sparse_mask)
+                    ce_sum, argmax = chunked_head_eval(hidden[drafted], drafter.lm_head,
+                                                       batch.labels[drafted], batch.weights[drafted],
+                                                       self.chunk_size)
+                del hidden
+                weighted_ce += ce_sum
+                total_weight += float(batch.weights.sum())
+                predicted = argmax.view(-1, block_size - 1).tolist()
                 drafts_at.update(zip(chunk.tolist(), predicted, strict=True))
             lengths = replay_acceptance(doc.input_ids.tolist(), doc.response_start, drafts_at)
             stats.lengths += lengths

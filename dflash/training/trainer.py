@@ -173,8 +173,8 @@ def reduce_step(result: StepResult, process_group, device: torch.device) -> Step
     hits, counts = [int(v) for v in values[3: 3 + b]], [int(v) for v in values[3 + b:]]
     scored = sum(counts)
     world = torch.distributed.get_world_size(process_group)
-    return dataclasses.replace(result, loss=values[0] / world, num_tokens=int(values[1]), num_blocks=int(values[2]),
-                               accuracy=sum(hits) / scored if scored else math.nan,
+    return dataclasses.replace(result, loss=values[0] / world, num_tokens=int(values[1]),
+                               num_blocks=int(values[2]), accuracy=sum(hits) / scored if scored else math.nan,
                                position_hits=hits, position_counts=counts)
 
 
