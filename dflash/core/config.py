@@ -53,6 +53,12 @@ class TrainConfig:
             raise ConfigError(key, "must name no target with data.features_path (the drafters read the "
                               f"cache), got {targets}" if targets else "names no target: the features need "
                               "one, or data.features_path (a feature cache: python -m dflash.capture)")
+        if self.pipeline.is_multi_process and self.data.features_path and self.data.eval_path:
+            # The held-out features come from target rank 0; no drafter loads the target (minutes of a
+            # CPU forward at Qwen3-8B, ahead of the start's first collective).
+            raise ConfigError("data.eval_path", "needs a target rank to compute the held-out features, and a "
+                              "pipeline fed by a feature cache has none: set it to null and measure "
+                              "held-out tau on a checkpoint with python -m dflash.evaluate")
 
     @property
     def gamma(self) -> float:

@@ -26,6 +26,11 @@ DRAIN_AFTER_ERROR_S = 1
 # How long a collective (the drafters' stop vote, DDP's gradient all-reduce, a checkpoint's gather,
 # a batch's send) or a worker's rendezvous waits for a peer before it fails.
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
+# How long a worker's start waits for its peers: torchrun's rendezvous, then the start's collectives
+# (the data position drafter 0 broadcasts, and the held-out features target rank 0 sends drafter 0),
+# which each rank reaches only after it has loaded what it needs: a target rank its model (16 GB for
+# Qwen3-8B, minutes from a cold disk), a drafter its checkpoint. Nothing else runs before them.
+STARTUP_TIMEOUT = timedelta(minutes=30)
 
 _PR_SET_PDEATHSIG = 1
 

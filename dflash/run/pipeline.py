@@ -52,15 +52,17 @@ from dflash.core.stopping import (
     DRAIN_AFTER_ERROR_S,
     DRAIN_AFTER_STOP_S,
     PROCESS_GROUP_TIMEOUT,
+    STARTUP_TIMEOUT,
     die_with_parent,
 )
 from dflash.data.examples import BatchOrder, DataError, load_examples
 from dflash.data.target import load_target, load_target_head, step_features
 from dflash.run.cache_feed import cache_feed
 from dflash.run.ranks import BatchSchedule, first_rank, member_leader, rank_table
-from dflash.run.transport import FEED_DONE, BatchFeed, send_batch, send_end_markers
+from dflash.run.transport import FEED_DONE, BatchFeed, recv_batch, send_batch, send_end_markers
 from dflash.training.checkpoint import list_checkpoints
-from dflash.training.drafter_run import DrafterRun, latest_to_resume
+from dflash.training.drafter_run import DrafterRun, heldout_examples, latest_to_resume
+from dflash.training.heldout import heldout_documents
 from dflash.training.trainer import StepResult, reduce_step, resolve_layer_ids
 
 # A test knob: "<worker name>:<n>" makes that worker raise at its n-th batch (target) or step (drafter).
@@ -194,22 +196,26 @@ class FedBatches:
         return batch
 
 
-def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device) -> str:
+HELDOUT_INDEX = -1  # the batch index of the held-out features target rank 0 sends drafter 0
+
+
+def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device,
+                startup) -> str:
     group = drafter_group(ctx)
     schedule = ctx.schedule
     drafters = DrafterGroup(ctx, group if schedule.num_drafters > 1 else None, device)
     log = WorkerLog(cfg.optim.total_steps, ctx.name, ctx.member_leader)
     # A drafter holds only the target's head (embedding, lm_head, config), read from its weights.
     run = DrafterRun(cfg, log, load_target_head(cfg.model.target_path, cfg.model.dtype, device), drafters)
-    if ctx.role_rank == 0 and cfg.data.eval_path is not None:
-        # Drafter 0 evaluates held-out data. The target's features of those examples are computed
-        # once, by a target loaded on the CPU for that alone and freed before training starts: a
-        # drafter GPU never holds the target.
-        run.build_heldout(load_target(cfg.model.target_path, cfg.model.dtype, torch.device("cpu")))
     run.resume()
     first_step = run.trainer.step
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
-    dist.broadcast(position, src=schedule.drafter_ranks[0])
+    dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
+    if ctx.role_rank == 0 and cfg.data.eval_path is not None:
+        # Drafter 0 evaluates held-out data, whose target features target rank 0 computed on its own
+        # device and sends like a batch, once: no drafter ever loads the target.
+        _, features = recv_batch(schedule.target_ranks[0], device, group=startup)
+        run.build_heldout(documents=heldout_documents(**features))
     n = schedule.num_drafters
     first, end = first_step * n, run_end_step(cfg, first_step) * n
     feed = (cache_feed(cfg, run.order, first, end, ctx.role_rank, n) if cfg.data.features_path
@@ -241,7 +247,8 @@ def run_end_step(cfg: TrainConfig, first_step: int) -> int:
 
 
 # --- target ranks --------------------------------------------------------------------------------
-def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device) -> str:
+def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device,
+               startup) -> str:
     log = WorkerLog(cfg.optim.total_steps, ctx.name)
     schedule = ctx.schedule
     drafter_group(ctx)
@@ -250,7 +257,11 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
     examples = load_examples(cfg.data.path, cfg.data.max_length, target.config.vocab_size)
     order = BatchOrder(len(examples), cfg.data.batch_size, cfg.run.seed)
     position = torch.zeros(3, dtype=torch.int64, device=device)
-    dist.broadcast(position, src=schedule.drafter_ranks[0])
+    dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
+    if ctx.role_rank == 0 and cfg.data.eval_path is not None:  # drafter 0's held-out features
+        held_out = heldout_examples(cfg, target.config.vocab_size)
+        send_batch(schedule.drafter_ranks[0], HELDOUT_INDEX, group=startup,
+                   **step_features(target, held_out, layer_ids, cfg.model.target_rows_per_pass, device))
     first_step, epoch, cursor = position.tolist()
     order.load_state_dict({"epoch": epoch, "cursor": cursor, "num_examples": len(examples)})
     first, end = first_step * schedule.num_drafters, run_end_step(cfg, first_step) * schedule.num_drafters
@@ -282,7 +293,7 @@ def attempt_store(ctx: WorkerContext) -> dist.Store:
     torchrun keeps one store for all its restarts, and the process group's keys (each rank's
     address) from an earlier start would otherwise be read as this start's. Across members each
     start has a new store (the launcher asks torchrun for that) and one prefix serves."""
-    store, _, _ = next(rendezvous("env://", ctx.torchrun_rank, ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT))
+    store, _, _ = next(rendezvous("env://", ctx.torchrun_rank, ctx.world_size, timeout=STARTUP_TIMEOUT))
     return dist.PrefixStore("dflash/start" if ctx.members > 1 else f"dflash/start-{ctx.restart}", store)
 
 
@@ -307,7 +318,9 @@ def run_worker(config_path: str, stop: StopSignal, log: WorkerLog) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", store=attempt_store(ctx), rank=ctx.rank,
                                 world_size=ctx.world_size, timeout=PROCESS_GROUP_TIMEOUT)
-        (run_drafter if ctx.role == "drafter" else run_target)(cfg, ctx, stop, device)
+        # Every rank, in the same order: the start's collectives wait STARTUP_TIMEOUT, the steps' the other.
+        startup = dist.new_group(timeout=STARTUP_TIMEOUT)
+        (run_drafter if ctx.role == "drafter" else run_target)(cfg, ctx, stop, device, startup)
     except Exception as exc:
         errors.record_exception(exc)
         raise

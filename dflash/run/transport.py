@@ -29,16 +29,18 @@ POLL_S = 0.1  # how often a waiting drafter looks at its stop signal and its rec
 
 
 def send_batch(dst: int, index: int, features: torch.Tensor, cu_seqlens: torch.Tensor,
-               position_ids: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
-    """Three messages: a header, the int64 metadata, the `[T, k*H]` features."""
+               position_ids: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+               group=None) -> None:
+    """Three messages: a header, the int64 metadata, the `[T, k*H]` features (over `group`: the
+    default one, or the start's for the held-out features)."""
     n_tokens, width = features.shape
     device = features.device
     header = torch.tensor([KIND_BATCH, index, n_tokens, cu_seqlens.numel() - 1, width,
                            DTYPE_CODES[features.dtype]], dtype=torch.int64, device=device)
     ints = torch.cat([input_ids, loss_mask, position_ids, cu_seqlens.to(torch.int64)]).to(device, torch.int64)
-    dist.send(header, dst)
-    dist.send(ints, dst)
-    dist.send(features.contiguous(), dst)
+    dist.send(header, dst, group=group)
+    dist.send(ints, dst, group=group)
+    dist.send(features.contiguous(), dst, group=group)
 
 
 def end_marker(device: torch.device) -> torch.Tensor:
@@ -54,18 +56,18 @@ def send_end_markers(schedule: BatchSchedule, rank: int, index: int, end: int, d
         work.wait()
 
 
-def recv_batch(src: int, device: torch.device) -> tuple[int, dict] | None:
+def recv_batch(src: int, device: torch.device, group=None) -> tuple[int, dict] | None:
     """The next batch from `src` (its index, and the keyword arguments of
     `DrafterTrainer.train_step`), or None when `src` sent its end marker."""
     header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=group)
     kind, index, n_tokens, n_docs, width, dtype_code = header.tolist()
     if kind == KIND_END:
         return None
     ints = torch.empty(3 * n_tokens + n_docs + 1, dtype=torch.int64, device=device)
-    dist.recv(ints, src)
+    dist.recv(ints, src, group=group)
     features = torch.empty(n_tokens, width, dtype=CODE_DTYPES[dtype_code], device=device)
-    dist.recv(features, src)
+    dist.recv(features, src, group=group)
     input_ids, loss_mask, position_ids, cu_seqlens = ints.split([n_tokens, n_tokens, n_tokens, n_docs + 1])
     return index, {"features": features, "cu_seqlens": cu_seqlens.to(torch.int32).cpu(),
                    "position_ids": position_ids, "input_ids": input_ids, "loss_mask": loss_mask}

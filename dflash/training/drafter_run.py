@@ -54,6 +54,11 @@ from dflash.training.trainer import (
 )
 
 
+def heldout_examples(cfg: TrainConfig, vocab_size: int) -> list:
+    """The held-out examples a run evaluates: the first `data.eval_examples` of `data.eval_path`."""
+    return load_examples(cfg.data.eval_path, cfg.data.max_length, vocab_size)[: cfg.data.eval_examples]
+
+
 def latest_to_resume(output_dir: Path, resume: bool) -> Path | None:
     """The checkpoint a run resumes from: its latest complete one (partial saves removed first)."""
     remove_partial_saves(output_dir)
@@ -100,14 +105,18 @@ class DrafterRun:
         self.vocab_size = head.config.vocab_size
         self.heldout = None
 
-    def build_heldout(self, target) -> None:
-        """Held-out evaluation of the config's `data.eval_path` (if any): the target's features of
-        those examples are computed once, here, by `target` (the run's own, or one loaded for this)."""
+    def build_heldout(self, target=None, documents=None) -> None:
+        """Held-out evaluation of the config's `data.eval_path`: the target's features of those
+        examples are computed once, here by `target` (the run's own, or one loaded for this), or
+        elsewhere (a pipeline's target rank 0) and given as `documents` (`heldout_documents`)."""
         cfg = self.cfg
-        held_out = load_examples(cfg.data.eval_path, cfg.data.max_length, self.vocab_size)
-        self.heldout = HeldOutEvaluator(target, held_out[: cfg.data.eval_examples], self.layer_ids,
-                                        cfg.data.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
-                                        lambda device: compute_precision(cfg, device))
+        settings = (cfg.data.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
+                    lambda device: compute_precision(cfg, device))
+        if documents is not None:
+            self.heldout = HeldOutEvaluator(documents, *settings)
+            return
+        self.heldout = HeldOutEvaluator.of(target, heldout_examples(cfg, self.vocab_size), self.layer_ids,
+                                           *settings)
 
     def random_state(self) -> dict:
         """This rank's random state: its anchor RNG and the process RNGs."""

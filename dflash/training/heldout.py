@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash.data.examples import Example, collate
-from dflash.data.target import target_hidden_states
+from dflash.data.examples import Example
+from dflash.data.target import step_features
 from dflash.model.acceptance import AcceptanceStats, replay_acceptance
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.loss import build_block_batch, chunked_head_eval
@@ -49,28 +49,43 @@ class HeldOutResult:
                 "heldout_acceptance_by_position": [round(r, 4) for r in self.stats.acceptance_by_position()]}
 
 
-class HeldOutEvaluator:
-    """The held-out figures of a drafter on `examples` (those with a prompt and a response)."""
+def heldout_documents(features: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor,
+                      loss_mask: torch.Tensor, **_) -> list[HeldOutDocument]:
+    """The held-out documents of packed target features (`dflash.data.target.step_features` of the
+    held-out examples, computed by whichever process holds the target: a pipeline's target rank 0 sends
+    them like a batch), those with a prompt and a response of two tokens or more."""
+    documents = []
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        mask = loss_mask[start:end].cpu()
+        scored = mask.tolist()
+        if 1 not in scored or scored.index(1) == 0 or scored.index(1) >= len(scored) - 1:
+            continue  # no prompt, or nothing to draft after the response's first token
+        documents.append(HeldOutDocument(features[start:end], input_ids[start:end].cpu(), mask,
+                                         scored.index(1)))
+    if not documents:
+        raise ValueError("no held-out example has both a prompt and a response of two tokens or more")
+    return documents
 
-    def __init__(self, target: nn.Module, examples: list[Example], layer_ids: list[int], max_anchors: int,
-                 gamma: float, chunk_size: int | None = None, precision=None):
+
+class HeldOutEvaluator:
+    """The held-out figures of a drafter on `documents` (`heldout_documents`)."""
+
+    def __init__(self, documents: list[HeldOutDocument], max_anchors: int, gamma: float,
+                 chunk_size: int | None = None, precision=None):
         """`precision(device)`: the context the drafter's forward and head run in (the training's
         autocast; none by default); `chunk_size`: lm_head rows at a time (None: all of a chunk's)."""
+        self.documents = documents
         self.max_anchors, self.gamma, self.chunk_size = max_anchors, gamma, chunk_size
         self.precision = precision or (lambda device: contextlib.nullcontext())
-        self.documents: list[HeldOutDocument] = []
-        for example in examples:
-            mask = example.loss_mask.tolist()
-            if 1 not in mask or mask.index(1) == 0 or mask.index(1) >= len(mask) - 1:
-                continue  # no prompt, or nothing to draft after the response's first token
-            batch = collate([example])
-            device = target.get_input_embeddings().weight.device
-            packed = target_hidden_states(target, batch["input_ids"].to(device),
-                                          batch["attention_mask"].to(device), layer_ids)
-            self.documents.append(HeldOutDocument(packed.features, example.input_ids, example.loss_mask,
-                                                  mask.index(1)))
-        if not self.documents:
-            raise ValueError("no held-out example has both a prompt and a response of two tokens or more")
+
+    @classmethod
+    def of(cls, target: nn.Module, examples: list[Example], layer_ids: list[int], max_anchors: int,
+           gamma: float, chunk_size: int | None = None, precision=None) -> HeldOutEvaluator:
+        """The evaluator of `examples`, their features computed here by `target`."""
+        device = target.get_input_embeddings().weight.device
+        features = step_features(target, examples, layer_ids, 1, device)  # one example a pass
+        return cls(heldout_documents(**features), max_anchors, gamma, chunk_size, precision)
 
     @torch.no_grad()
     def __call__(self, drafter: DFlashDrafter) -> HeldOutResult:

@@ -32,7 +32,7 @@ def test_drafters_from_the_cache_give_the_online_losses_across_a_resume(write_co
     single = start_run(write_config("single", optim={"total_steps": steps}))
     assert single.wait(timeout=240) == 0, single.log_path.read_text()[-3000:]
     config = write_config("cached", optim={"total_steps": steps}, run={"max_steps_per_run": steps // 2},
-                          data={"features_path": str(features)}, pipeline=DRAFTERS_ONLY)
+                          data={"features_path": str(features), "eval_path": None}, pipeline=DRAFTERS_ONLY)
     first = start_run(config)
     assert first.wait(timeout=240) == 0, first.log_path.read_text()[-3000:]
     second = start_run(config)
@@ -47,9 +47,20 @@ def test_drafters_from_the_cache_give_the_online_losses_across_a_resume(write_co
 
 def test_the_launcher_refuses_a_corrupt_cache_before_any_worker_starts(write_config, start_run, features):
     corrupt(features / "shard-00001.safetensors")
-    run = start_run(write_config("corrupt", data={"features_path": str(features)}, pipeline=DRAFTERS_ONLY))
+    run = start_run(write_config("corrupt", data={"features_path": str(features), "eval_path": None},
+                                 pipeline=DRAFTERS_ONLY))
     assert run.wait(timeout=120) == 2
     log = run.log_path.read_text()
     assert "data.features_path: " in log and "shard-00001.safetensors is corrupt" in log
     assert "Traceback" not in log and not any(e["event"] == "worker_start" for e in run.events())
     assert not (run.output_dir / "checkpoints").exists()
+
+
+def test_a_cache_fed_pipeline_with_a_held_out_set_is_refused_before_any_worker_starts(write_config, start_run,
+                                                                                     features):
+    """Its held-out features would need a target, and it has no target rank: no drafter loads one."""
+    run = start_run(write_config("heldout", data={"features_path": str(features)}, pipeline=DRAFTERS_ONLY))
+    assert run.wait(timeout=120) == 2
+    log = run.log_path.read_text()
+    assert "data.eval_path: needs a target rank" in log and not any(
+        e["event"] == "worker_start" for e in run.events())

@@ -96,7 +96,8 @@ def test_trained_drafter_reaches_a_higher_tau(write_config, start_run):
     target = load_target(cfg.model.target_path)
     drafter, layer_ids = load_drafter(latest_checkpoint(run.output_dir), target)
     examples = load_examples(Path(cfg.data.path).with_name("eval.jsonl"), cfg.data.max_length)
-    replayed = HeldOutEvaluator(target, examples[:3], layer_ids, cfg.data.max_anchors, cfg.gamma)(drafter)
+    replayed = HeldOutEvaluator.of(target, examples[:3], layer_ids, cfg.data.max_anchors,
+                                   cfg.gamma)(drafter)
     decoded = AcceptanceStats("decoded", cfg.model.block_size)
     eos = target.generation_config.eos_token_id
     for example in examples[:3]:

@@ -30,8 +30,8 @@ def test_the_heldout_peak_is_no_higher_than_a_training_step_at_the_same_shape(ma
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB - 1, (LENGTH,), generator=g)
     mask = torch.tensor([0] * PROMPT + [1] * (LENGTH - PROMPT))
-    heldout = HeldOutEvaluator(target, [Example(ids, mask)], layer_ids, ANCHORS, cfg.gamma, CHUNK,
-                               lambda device: compute_precision(cfg, device))
+    heldout = HeldOutEvaluator.of(target, [Example(ids, mask)], layer_ids, ANCHORS, cfg.gamma, CHUNK,
+                                  lambda device: compute_precision(cfg, device))
     block_size = drafter.cfg.block_size
 
     result, heldout_peak = peak_allocated_bytes(lambda: heldout(drafter))
