@@ -59,11 +59,13 @@ def serve_venv_problem() -> str | None:
     return None
 
 
-def train_tiny_drafter(workdir: Path, steps: int = 300) -> tuple[Path, Path]:
-    """A drafter trained `steps` steps on the tiny demo assets (b = 8); its config and run directory."""
+def train_tiny_drafter(workdir: Path, steps: int = 300, model: dict | None = None) -> tuple[Path, Path]:
+    """A drafter trained `steps` steps on the tiny demo assets (b = 8), its `model` keys changed by
+    `model` (a sliding window, say); its config and run directory."""
     from pvesim.fleet import prepare_assets
 
     raw = yaml.safe_load((prepare_assets() / "config.yaml").read_text())
+    raw["model"].update(model or {})
     raw["optim"]["total_steps"] = steps
     raw["run"].update(output_dir=str(workdir / "run"), save_every=steps, eval_every=steps, log_every=steps)
     config = workdir / "config.yaml"

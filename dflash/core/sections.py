@@ -141,6 +141,10 @@ class DataConfig(Section):
     # A feature cache (python -m dflash.capture) read instead of the target; checksums or sizes verified.
     features_path: str | None = None
     features_verify: str = "checksums"
+    # The thinking mode (a chat template's enable_thinking) the data was regenerated in and the drafter
+    # is served in; regenerated data whose manifest records the other mode is refused
+    # (dflash.data.data_manifest). false: the public Qwen3 DFlash drafters' non-thinking mode.
+    enable_thinking: bool = False
     _name = "data"
 
     def __post_init__(self) -> None:

@@ -10,15 +10,31 @@ of the output is `{"id": <prompt line index>, "input_ids": chat + response, "los
 chat, 1 on the response}`, the format `dflash.train` reads. A response ends with the first end of
 text (kept) or after `--max-new-tokens`.
 
+Thinking mode: a chat template that takes `enable_thinking` (its text names it, as Qwen3's does)
+is given `--enable-thinking` (default false: the public Qwen3 DFlash drafters are non-thinking,
+and a drafter trained in the other mode than it is served in accepts far fewer tokens). A template
+without the toggle is given nothing and the mode recorded is null; `--enable-thinking true` for it
+is an error, before any model is loaded.
+
 Resumable: rows go to `<out>.part-<r>` as each batch finishes; a second call skips the prompts that
-have a row (in the parts or in `<out>`), then writes `<out>` (every row, by id) atomically and
-removes the parts. A line cut short by a kill is dropped. With `--device cuda` each visible GPU runs
-one replica of the target on every n-th prompt; on CPU (`--replicas`, default 1) the same.
+have a row (in the parts or in `<out>`), then writes `<out>` (every row, by id) atomically, removes
+the parts and writes `<out>.manifest.json` (`dflash.data.data_manifest`: the target, the prompts,
+the mode, the settings, the rows; atomically too). A line cut short by a kill is dropped.
+With `--device cuda` each visible GPU runs one replica of the target on every n-th prompt; on CPU
+(`--replicas`, default 1) the same.
+
+Rows of two thinking modes never mix. A call records its mode in `<out>.parts.json` before it
+generates anything and removes that record last, after the manifest, once no part is left; so the
+mode of every row already there is the record's while it exists, else `<out>`'s manifest's. A call
+that would resume from rows (in `<out>` or its parts) of another mode is refused, and so is one
+that finds rows whose mode nothing records (a file from elsewhere: move it away to start over).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
 import json
 import os
 import sys
@@ -28,11 +44,18 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
+from dflash.data.feature_cache import write_json
 from dflash.data.target import DTYPES, load_target
 
 
 class PromptError(ValueError):
     """A prompt line is not a chat."""
+
+
+class ThinkingModeError(ValueError):
+    """The thinking mode asked for cannot be given to the template, or is not the one of the rows
+    the call would resume from."""
 
 
 @dataclass(frozen=True)
@@ -102,34 +125,96 @@ def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings
     return responses
 
 
+def _complete_rows(path: Path):
+    """The complete rows of an output or part file, in file order; a line cut short is skipped."""
+    if not path.is_file():
+        return
+    with path.open() as lines:
+        for line in lines:
+            try:
+                row = json.loads(line)
+                int(row["id"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            yield row
+
+
 def _read_rows(path: Path) -> dict[int, dict]:
     """Complete rows of an output or part file by id; a last line cut short is dropped."""
-    rows: dict[int, dict] = {}
-    if not path.is_file():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            rows[int(row["id"])] = row
-        except (ValueError, KeyError, TypeError):
-            continue
-    return rows
+    return {int(row["id"]): row for row in _complete_rows(path)}
 
 
 def _part_path(out: Path, replica: int) -> Path:
     return out.with_name(f"{out.name}.part-{replica}")
 
 
-def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
-                dtype: str, settings: GenerationSettings, max_length: int, progress: bool) -> dict:
-    """Answer the prompts `replica::replicas` that have no row yet; returns counts."""
-    from tqdm import tqdm
+def _parts(out: Path) -> list[Path]:
+    """Every part file of `out`, of any replica count."""
+    return sorted(out.parent.glob(f"{glob.escape(out.name)}.part-*"))
+
+
+def parts_record_path(out: str | Path) -> Path:
+    """`<out>.parts.json`: the record of an unfinished regeneration (its mode above all)."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.parts.json")
+
+
+def load_tokenizer(target_path: str):
     from transformers import AutoTokenizer
 
-    out_path = Path(out)
     tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
     if not tokenizer.chat_template:
         raise PromptError(f"the tokenizer at {target_path} has no chat template")
+    return tokenizer
+
+
+def template_takes_thinking(template: str | dict) -> bool:
+    """Whether a chat template reads `enable_thinking`: a Jinja template reads its keyword arguments
+    by name, so its text names the ones it takes (a dict holds several named templates)."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any("enable_thinking" in text for text in texts)
+
+
+def thinking_mode(target_path: str, enable_thinking: bool) -> tuple[bool | None, bool]:
+    """(the mode the template is given: None when it takes none, whether it takes one)."""
+    takes = template_takes_thinking(load_tokenizer(target_path).chat_template)
+    if enable_thinking and not takes:
+        raise ThinkingModeError(f"--enable-thinking true: the chat template of {target_path} has no "
+                                "enable_thinking toggle, so its thinking mode cannot be chosen; leave it "
+                                "false (the mode recorded is then null)")
+    return (enable_thinking if takes else None), takes
+
+
+def check_resume(out: Path, mode: bool | None) -> None:
+    """Refuse to resume from rows (in `out` or its parts) of another thinking mode than `mode`, or of
+    one nothing records."""
+    holders = [path for path in [out, *_parts(out)] if next(_complete_rows(path), None)]
+    if not holders:
+        return
+    record = read_record(parts_record_path(out)) or read_record(manifest_path(out))
+    names = ", ".join(map(str, holders))
+    if record is None:
+        raise ThinkingModeError(f"{names} hold rows whose thinking mode nothing records (no "
+                                f"{parts_record_path(out).name} or {manifest_path(out).name}); rows of two "
+                                "modes must not mix: move them away to start over")
+    theirs = record["enable_thinking"]
+    if theirs != mode:
+        how = "a template without the toggle" if theirs is None else f"--enable-thinking {mode_name(theirs)}"
+        raise ThinkingModeError(f"{names} hold rows regenerated with enable_thinking {mode_name(theirs)}, "
+                                f"this call's is {mode_name(mode)}; rows of two modes must not mix: resume "
+                                f"with {how}, or move them away to start over")
+
+
+def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
+                dtype: str, settings: GenerationSettings, max_length: int, progress: bool,
+                mode: bool | None = None) -> dict:
+    """Answer the prompts `replica::replicas` that have no row yet, the template given `mode` as its
+    enable_thinking (None: nothing); returns counts."""
+    from tqdm import tqdm
+
+    out_path = Path(out)
+    tokenizer = load_tokenizer(target_path)
+    template_options = {} if mode is None else {"enable_thinking": mode}
     chats = read_chats(prompts_path)
     part = _part_path(out_path, replica)
     done = set(_read_rows(out_path)) | set(_read_rows(part))
@@ -138,7 +223,7 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
         if index in done or not chats[index]:
             continue
         prompt = list(tokenizer.apply_chat_template(chats[index], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
+                                                    return_dict=True, **template_options)["input_ids"])
         if len(prompt) >= max_length:
             too_long += 1
             continue
@@ -195,12 +280,21 @@ def merge(out: str | Path, replicas: int) -> int:
 
 def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings, device: str = "cpu",
                replicas: int = 1, dtype: str = "float32", max_length: int = 4096,
-               progress: bool = False) -> dict:
-    """Regenerate the responses of `prompts` with `replicas` target replicas; returns a summary."""
+               progress: bool = False, enable_thinking: bool = False) -> dict:
+    """Regenerate the responses of `prompts` with `replicas` target replicas, in the thinking mode
+    `enable_thinking` where the chat template takes one; returns a summary."""
     started = time.monotonic()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    read_chats(prompts)  # bad prompts fail here, before any model is loaded
-    args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress)
+    # Bad prompts, a mode the template cannot take or another mode than the rows there fail here,
+    # before any model is loaded.
+    read_chats(prompts)
+    mode, takes = thinking_mode(target, enable_thinking)
+    check_resume(Path(out), mode)
+    record = {"format": FORMAT, "target": str(target), "prompts": str(prompts), "enable_thinking": mode,
+              "template_takes_thinking": takes,
+              "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype}}
+    write_json(parts_record_path(out), record)
+    args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode)
     if replicas == 1:
         counts = run_replica(0, *args)
     else:
@@ -211,7 +305,7 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
         context = mp.get_context("spawn")
         for replica in range(replicas):
             replica_args = (replicas, target, prompts, out, devices[replica], dtype, settings, max_length,
-                            progress)
+                            progress, mode)
             process = context.Process(target=_replica_entry, args=(replica, *replica_args))
             process.start()
             processes.append(process)
@@ -222,7 +316,11 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
             raise RuntimeError(f"replicas {failed} failed; their finished rows are kept, run again to resume")
         counts = {}
     total = merge(out, replicas)
-    return {**counts, "rows": total, "replicas": replicas, "seconds": round(time.monotonic() - started, 1)}
+    write_json(manifest_path(out), {**record, "rows": total})
+    if not _parts(Path(out)):  # parts of another replica count keep their record
+        parts_record_path(out).unlink(missing_ok=True)
+    return {**counts, "rows": total, "replicas": replicas, "enable_thinking": mode,
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", required=True,
                         help='JSON lines, each {"messages": [{"role": "user", "content": "..."}, ...]} or '
                              "the bare list; a last assistant message is replaced by the target's answer")
-    parser.add_argument("--out", required=True, help="the training JSON lines to write")
+    parser.add_argument("--out", required=True,
+                        help="the training JSON lines to write (and <out>.manifest.json beside them)")
+    parser.add_argument("--enable-thinking", choices=("true", "false"), default="false",
+                        help="the chat template's enable_thinking (Qwen3's thinking mode; default false, "
+                             "what the public Qwen3 DFlash drafters are trained on): the run's "
+                             "data.enable_thinking must match it. A template without the toggle is given "
+                             "nothing and the mode recorded is null; true is then an error")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
     parser.add_argument("--max-length", type=int, default=4096,
                         help="prompt + response limit; longer prompts are skipped (default 4096)")
@@ -263,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = GenerationSettings(args.max_new_tokens, args.batch_size, args.temperature, args.top_p,
                                       args.seed)
         summary = regenerate(args.target, args.prompts, args.out, settings, args.device, replicas, args.dtype,
-                             args.max_length, progress=sys.stderr.isatty())
+                             args.max_length, progress=sys.stderr.isatty(),
+                             enable_thinking=args.enable_thinking == "true")
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

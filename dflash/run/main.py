@@ -19,6 +19,7 @@ import torch
 from dflash.core.config import ConfigError, TrainConfig, load_config
 from dflash.core.runtime import EXIT_BAD_INPUT, StopSignal, exit_code_of
 from dflash.core.safe_paths import UnsafePath
+from dflash.data.data_manifest import check_thinking_mode
 from dflash.data.examples import DataError
 from dflash.data.target import TargetHead, load_target, step_features
 from dflash.run.cache_feed import cached_run
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        check_thinking_mode(cfg)  # before any process or model starts
     except ConfigError as exc:
         print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

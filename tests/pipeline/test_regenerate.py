@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash.data.__main__ import main as data_main
+from dflash.data.data_manifest import FORMAT
 from dflash.data.examples import load_examples
-from dflash.data.regenerate import GenerationSettings, regenerate
+from dflash.data.regenerate import GenerationSettings, parts_record_path, regenerate
 from dflash.data.target import load_target
 
 SETTINGS = GenerationSettings(max_new_tokens=12, batch_size=2)
@@ -59,7 +60,9 @@ def test_rows_are_the_chat_template_then_the_targets_greedy_answer(demo_dir, pro
 def test_a_second_call_skips_the_rows_done_before_a_stop(demo_dir, prompts, tmp_path):
     path, _ = prompts
     out = tmp_path / "train.jsonl"
-    # What a stop leaves: a part file with two finished rows and a line cut short.
+    # What a stop leaves: the call's record (the demo template has no thinking toggle: mode null), a part
+    # file with two finished rows and a line cut short.
+    parts_record_path(out).write_text(json.dumps({"format": FORMAT, "enable_thinking": None}))
     done = [{"id": i, "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]} for i in (0, 3)]
     (tmp_path / "train.jsonl.part-0").write_text("".join(json.dumps(r) + "\n" for r in done)
                                                  + '{"id": 1, "input_ids": [5,')
@@ -69,7 +72,7 @@ def test_a_second_call_skips_the_rows_done_before_a_stop(demo_dir, prompts, tmp_
     assert [r["id"] for r in written] == [0, 1, 2, 3, 4]
     assert written[0] == done[0] and written[3] == done[1]  # kept, not answered again
     assert len(written[1]["input_ids"]) > 3
-    assert not list(tmp_path.glob("train.jsonl.part-*"))
+    assert not list(tmp_path.glob("train.jsonl.part-*")) and not parts_record_path(out).exists()
     again = regenerate(str(demo_dir / "target"), str(path), str(out), SETTINGS)
     assert again["generated"] == 0 and rows(out) == written
 
