@@ -184,6 +184,21 @@ def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     return correct / scored if scored else math.nan
 
 
+def _head_in_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.Tensor:
+    """The frozen head's weight in the dtype its matmul runs in: the autocast dtype when autocast is on
+    (one cast for all chunks, where autocast would cast per chunk), else its own."""
+    compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+               else weight.dtype)
+    return weight.to(compute)
+
+
+def _chunk_log_probs(hidden_rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """`[rows, vocab]` float32 log-probabilities of a chunk of rows through `head` (in its dtype), as
+    cross_entropy(logits.float()) computes them, without a float32 copy of the logits first."""
+    logits = F.linear(hidden_rows.to(head.dtype), head)
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum(w * ce) / normalizer over the scored rows, with the frozen lm_head applied `chunk_size`
     rows at a time. Each chunk's gradient with respect to `hidden` is computed while its logits
@@ -199,9 +214,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size, weigh):
         needs_grad = ctx.needs_input_grad[0]
         device_type = hidden.device.type
-        compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                   else weight.dtype)
-        head = weight.to(compute)  # one cast for all chunks (autocast would cast per chunk)
+        head = _head_in_compute_dtype(weight, device_type)
+        compute = head.dtype
         scale = weights / normalizer
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
@@ -211,10 +225,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                logits = F.linear(hidden[rows].to(compute), head)
-                # float32 as cross_entropy(logits.float()) computes it, without a float32 copy first.
-                log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-                del logits
+                log_probs = _chunk_log_probs(hidden[rows], head)
                 label = labels[rows]
                 # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
                 correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
@@ -259,18 +270,14 @@ def chunked_head_eval(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     (the head in the autocast dtype when autocast is on, the log-softmax in float32) for an evaluation,
     so no `[N, vocab]` tensor exists."""
     device_type = hidden.device.type
-    compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-               else lm_head.weight.dtype)
-    head = lm_head.weight.to(compute)
+    head = _head_in_compute_dtype(lm_head.weight, device_type)
     argmax = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     step = max(1, chunk_size or hidden.shape[0])
     with torch.autocast(device_type, enabled=False):
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
-            logits = F.linear(hidden[rows].to(compute), head)
-            log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-            del logits
+            log_probs = _chunk_log_probs(hidden[rows], head)
             argmax[rows] = log_probs.argmax(-1)
             total -= (weights[rows] * log_probs.gather(1, labels[rows, None]).squeeze(1)).sum()
             del log_probs
