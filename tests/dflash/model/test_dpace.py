@@ -12,6 +12,7 @@ import torch
 from dflash.core.config import ConfigError, config_from_dict
 from dflash.model.loss import chunked_head_loss, dflash_loss, dpace_row_weights, dpace_weights
 from dflash.run.main import run_single_process
+from dflash.serve.export import export_checkpoint
 from dflash.training.checkpoint import check_loss_weighting, latest_checkpoint
 
 
@@ -101,6 +102,8 @@ def test_a_dpace_run_records_it_and_refuses_to_resume_under_the_decay(tiny_confi
     assert any(e.get("event") == "step" and math.isfinite(e["loss"]) for e in steps)
     meta = json.loads((latest_checkpoint(run) / "meta.json").read_text())
     assert meta["loss_weighting"] == {"loss_weighting": "dpace", "dpace_alpha": 0.5}
+    exported = export_checkpoint(latest_checkpoint(run), tmp_path / "export")
+    assert json.loads((exported / "config.json").read_text())["dflash_training"] == meta["loss_weighting"]
 
     decay = config_from_dict(tiny_config(run, optim={"total_steps": 6}))
     assert run_single_process(decay) == 2
