@@ -2,9 +2,12 @@
 fleet: each runs to the end, says what it would change (a new release, a restart, a stop, a rollback) and
 changes nothing: the run's pid and pidfile, the releases, `current` and `previous` are the same after."""
 
-import pytest
+import json
 
-from pvesim.fleet import Fleet, change_code
+import pytest
+import yaml
+
+from pvesim.fleet import REPO, Fleet, change_code
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -91,4 +94,24 @@ def test_rollback_in_check_mode_reports_the_switch_and_the_restart_and_changes_n
     assert res.rc == 0, res
     assert changed(res, RELEASE_TASK) == everywhere()
     assert changed(res, START_TASK) == everywhere()
+    assert state(fleet) == before
+
+
+def test_deploy_diff_shows_the_rendered_config_change_of_a_settings_key(fleet):
+    """The most common change, a key of dflash_release_settings, shows under --diff as the rendered
+    config.yaml's lines, before and after (and nothing is changed in check mode)."""
+    settings = yaml.safe_load((REPO / "inventory/sim/group_vars/training_containers.yml").read_text())[
+        "dflash_release_settings"]
+    settings["optim"]["lr"] = 1.25e-3
+    before = state(fleet)
+    res = fleet.play("deploy.yml", *CHECK, "-e", json.dumps({"dflash_release_settings": settings}))
+    assert res.rc == 0, res
+    for host, result in res.results(RELEASE_TASK).items():
+        diffs = {d["after_header"].rsplit("/", 1)[-1]: d for d in result["diff"]}
+        assert set(diffs) == {"config.yaml"}, (host, list(diffs))
+        old = yaml.safe_load(diffs["config.yaml"]["before"])
+        new = yaml.safe_load(diffs["config.yaml"]["after"])
+        assert (old["optim"]["lr"], new["optim"]["lr"]) == (3.0e-3, 1.25e-3)
+        assert {k: v for k, v in old.items() if k != "optim"} == {k: v for k, v in new.items() if k != "optim"}
+    assert "+++ after: /opt/dflash/releases/" in res.stdout
     assert state(fleet) == before

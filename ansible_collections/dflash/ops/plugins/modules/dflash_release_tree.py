@@ -40,6 +40,9 @@ attributes:
   check_mode:
     support: full
     details: Reports what it would change; writes nothing and runs no validation.
+  diff_mode:
+    support: full
+    details: A switch shows each rendered file (C(config.yaml), C(run.sh)) of the live release beside the new one's.
 options:
   state:
     description:
@@ -211,6 +214,8 @@ ARGUMENT_SPEC = {
     "fix_variables": {"type": "dict", "default": {}},
 }
 STAGING_PREFIX = ".staging-"
+# The files a deploy renders for each container: what --diff shows of a release change.
+RENDERED = ("config.yaml", "run.sh")
 
 
 def link_target(path):
@@ -317,6 +322,36 @@ def validate(module, directory):
     return {"dir": directory, "cmd": cmd, "rc": rc, "stdout": out, "stderr": err}
 
 
+def rendered_text(release, name, archive=None):
+    """A rendered file of a release, from its archive when given (a release not unpacked yet), else from
+    its directory; '' when it has none (no release live yet)."""
+    if archive is not None:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+            try:
+                member = tar.extractfile(name)
+            except KeyError:
+                return ""
+            return member.read().decode("utf-8", "replace") if member else ""
+    if not release or os.path.islink(os.path.join(release, name)):
+        return ""
+    try:
+        with open(os.path.join(release, name), encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def rendered_diff(current, release, archive=None):
+    """--diff of a switch: each rendered file that differs between the live release and the new one."""
+    diffs = []
+    for name in RENDERED:
+        before, after = rendered_text(current, name), rendered_text(release, name, archive)
+        if before != after:
+            diffs.append({"before": before, "after": after, "before_header": f"{current or '(none)'}/{name}",
+                          "after_header": f"{release}/{name}"})
+    return diffs
+
+
 def previous_release(module, root, current):
     """The release `previous` points at, when there is one to go back to."""
     previous = link_target(os.path.join(root, "previous"))
@@ -407,6 +442,8 @@ def make_live(module, root, release, current):
     if not check:
         for path in result["removed"]:
             shutil.rmtree(path, ignore_errors=True)
+    if module._diff:  # a new release's files from its archive: in check mode nothing was unpacked
+        result["diff"] = rendered_diff(current, release, None if exists else base64.b64decode(p["content"]))
     return True, result
 
 

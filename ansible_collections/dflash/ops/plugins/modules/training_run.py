@@ -255,8 +255,9 @@ startup_seconds:
   returned: after a start
   type: float
 progress:
-  description: The log line that matched O(wait_for).
-  returned: after a start with O(wait_for)
+  description: The log line that matched O(wait_for); with V(status) of a live run, the last line of
+    O(log_path) (how far it got, for a task that polls it).
+  returned: after a start with O(wait_for); with V(status), O(log_path) and a live run
   type: str
 log_tail:
   description: End of O(log_path) when the run died at start or did not match O(wait_for), or, with
@@ -297,6 +298,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
+    last_lines,
     log_refusal,
     log_tail,
     preflight,
@@ -305,6 +307,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
 
+# A status's `progress`: the log's last line, read from at most this many of its last bytes.
+PROGRESS_BYTES = 4096
 ARGUMENT_SPEC = dict(
     name=dict(type="str", required=True),
     state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
@@ -384,6 +388,8 @@ def apply_state(module, env):
         extra = {key: value for key, value in (("pidfile_unsafe", unsafe),
                                                ("log_unsafe", log_refusal(params["log_path"]))) if value}
         if verdict == "live":
+            if params["log_path"]:
+                extra["progress"] = last_lines(log_tail(params["log_path"], limit=PROGRESS_BYTES), count=1)
             return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
         if verdict not in ("absent", "live"):  # it ended without a stop: finished, failed or died
             extra["log_tail"] = log_tail(params["log_path"])
