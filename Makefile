@@ -16,7 +16,7 @@ TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # with its own fleet, so a file's trials never share a container with another file's.
 RELIABILITY_WORKERS ?= 3
 
-.PHONY: help setup peer-suites compat-venv serve-check test test-reliability test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -51,6 +51,11 @@ serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export
 	@python3 scripts/serve_venv.py
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
 
+# The first real run's layout at Qwen3-8B's width on CPU (1 target, 2 drafters, ~15 GiB, minutes), each rank's
+# peak memory beside dflash.training.memory_fit's prediction (BENCHMARKS.md section 13). Heavy: not in make test.
+rehearsal: setup ## Rehearse the pipeline at Qwen3-8B's width on CPU: start, held-out, SIGTERM, resume, export (heavy).
+	$(PY) -m pytest -m rehearsal tests/rehearsal -s $(PYTEST_ARGS)
+
 test: setup peer-suites ## The test suite (unit, pvesim, roles, playbooks, one molecule scenario, reliability's fast subset).
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
@@ -74,7 +79,7 @@ lint: setup ## ruff, yamllint, ansible-lint (production profile), ansible-test s
 	$(VENV)/bin/ruff check dflash pvesim ansible_collections tests benchmarks scripts
 	$(VENV)/bin/yamllint -s .
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --offline --profile production \
-	  playbooks ansible_collections/dflash/ops/roles
+	  playbooks ansible_collections/dflash/ops/roles ansible_collections/dflash/ops/playbooks
 	$(PY) scripts/ansible_test_sanity.py
 
 bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.

@@ -1,6 +1,6 @@
 """The GPU check for one CUDA GPU, in one command: `python3 -m benchmarks.gpu_check --out DIR`.
 
-Four parts, each in its own process where it measures memory, on cuda:0:
+Five parts, each in its own process where it measures memory, on cuda:0:
 
 a. the drafter step at the paper's shape and Qwen3-8B's width (5 layers, one sequence of 3072
    tokens with 512 anchors, blocks of 16, H 4096, vocabulary 151936; bf16 autocast over fp32
@@ -13,18 +13,26 @@ b. target capture of a random Qwen3-8B-shaped target (36 layers, bf16) on a batc
    `model.target_rows_per_pass: 1`;
 c. the tests that skip without CUDA (`pytest -m gpu`);
 d. a short single-process training run (target and drafter on cuda:0, `dflash.train`): a run
-   stopped by SIGTERM checkpoints and exits 0, its resume gives the uninterrupted run's losses.
+   stopped by SIGTERM checkpoints and exits 0, its resume gives the uninterrupted run's losses;
+e. the recipe's drafter rank (`configs/qwen3-8b.yaml`, the trainer's own code on a random drafter and a
+   random Qwen3-8B head): two optimizer steps of `DrafterTrainer.train_step` on a full batch (8 x 3072
+   tokens, 512 anchors each, the chunked loss), then the held-out evaluation (`dflash.training.heldout`)
+   of `data.eval_examples` documents of 3072 tokens (two with a full-length response, the others'
+   features held but their responses short, so that it takes seconds), beside the step's gradients and
+   AdamW state as in a run. Each phase's `torch.cuda.max_memory_allocated` (everything allocated: the
+   weights included), beside the memory model's prediction for that phase (`predicted_peaks`).
 
 It prints one table and a JSON line and writes both to `--out` (`gpu_check.txt`, `gpu_check.json`);
 exit 0 when every part passed. One GPU cannot show nccl between ranks, DDP's all-reduce, or the
 target and drafter ranks on separate GPUs: those need the multi-GPU pipeline test on >= 2 GPUs.
 `--dry-run` runs the same code on CPU at a tiny width, so that the check is known to work before a
-GPU sees it (`tests/dflash/test_gpu_check.py`).
+GPU sees it (`tests/dflash/test_gpu_check.py`); `--parts` runs some parts only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -38,12 +46,19 @@ from pathlib import Path
 import torch
 
 from benchmarks.drafter_step import measure_in_subprocess
-from benchmarks.memory import peak_allocated_bytes
-from dflash.core.config import DEFAULT_LOSS_CHUNK_SIZE
+from benchmarks.memory import peak_allocated_bytes, peak_rss_bytes
+from dflash.core.config import (
+    DEFAULT_LOSS_CHUNK_SIZE,
+    PipelineConfig,
+    TrainConfig,
+    load_config,
+    with_examples,
+)
 from dflash.core.target_layers import build_target_layer_ids
 from dflash.data.target import target_hidden_states
 
 ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "configs" / "qwen3-8b.yaml"
 SPECFORGE = "SpecForge, Qwen3-8B, 8 x H200: ~45 GB and ~7 samples/s per trainer GPU at batch 2"
 NOT_SHOWN = ("one GPU cannot show: nccl between ranks, DDP's gradient all-reduce, target and drafter "
              "ranks on separate GPUs (tests/pipeline's 2-GPU test)")
@@ -122,6 +137,140 @@ def capture_part(mode: str, device: str) -> dict:
     rows["batch"] = f"{shape['batch']} x {shape['max_len']}"
     rows["shape"] = f"random Qwen3, {shape['layers']} layers, H {shape['hidden']}"
     return rows
+
+
+# The recipe at a tiny width for --dry-run: the keys that set the drafter rank's shapes, shrunk.
+RECIPE_DRY = {"model": {"num_draft_layers": 2, "loss_chunk_size": 32},
+              "data": {"max_length": 64, "batch_size": 2, "max_anchors": 8, "eval_examples": 3}}
+FULL_RESPONSES = 2  # held-out documents with a full-length response; the rest have 2 response tokens
+PROMPT_TOKENS = 64  # every sequence's prompt (loss_mask 0, at most a quarter): the rest is response
+
+
+def recipe_config(mode: str, target_dir: Path) -> TrainConfig:
+    """configs/qwen3-8b.yaml (tiny for the dry run) on the random target's config at `target_dir`, its
+    drafter rank alone on one device (no DDP), with a mask token of its own (the last row)."""
+    cfg = load_config(RECIPE, check_target=False)
+    sections = {"model": {"target_path": str(target_dir), "mask_token_id": TARGET_SHAPE[mode]["vocab"] - 1}}
+    for name, values in (RECIPE_DRY if mode == "dry" else {}).items():
+        sections[name] = {**sections.get(name, {}), **values}
+    replaced = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    replaced["pipeline"] = PipelineConfig(device=cfg.pipeline.device)
+    # The schedule needs a length; a million examples stands in for the data (the steps change no shape).
+    return with_examples(dataclasses.replace(cfg, **replaced), 1_000_000)
+
+
+def predicted_peaks(cfg: TrainConfig, mode: str) -> dict[str, dict | None]:
+    """The memory model's prediction (`dflash.training.memory_fit`) of each phase's peak on one GPU, in
+    bytes with its terms; None for a phase when there is no memory model to ask. The step: a drafter rank
+    with one feature batch and no DDP (a single process fed by a cache is what the model calls that);
+    the held-out evaluation: the same rank with the held-out documents' features, the model's bound."""
+    try:
+        from dflash.training import memory_fit
+    except ImportError:
+        return {"drafter_step": None, "heldout": None}
+    t = TARGET_SHAPE[mode]
+    shape = memory_fit.TargetShape(t["layers"], t["hidden"], t["intermediate"], t["heads"], t["kv_heads"],
+                                   t["head_dim"], t["vocab"], tied=False)
+    alone = dataclasses.replace(cfg, pipeline=PipelineConfig(device=cfg.pipeline.device),
+                                data=dataclasses.replace(cfg.data, features_path="features", eval_path=None))
+    held_out = dataclasses.replace(alone, data=dataclasses.replace(alone.data, eval_path=cfg.data.eval_path))
+    peaks = {}
+    for phase, variant in (("drafter_step", alone), ("heldout", held_out)):
+        (peak,) = memory_fit.predict(variant, shape, runtime_bytes=0)  # max_memory_allocated: no context
+        peaks[phase] = {"bytes": peak.total, "terms": {name: b for name, b in peak.terms if b}}
+    return peaks
+
+
+def _device_peak(fn, dev: torch.device) -> tuple[object, int, float]:
+    """(fn(), the phase's peak, its seconds): on CUDA `max_memory_allocated` since a reset, everything
+    allocated; on CPU the process's resident growth during it (the dry run only shows that the code runs)."""
+    started = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        result = fn()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        result, peak = peak_rss_bytes(fn)
+    return result, peak, time.perf_counter() - started
+
+
+def recipe_part(mode: str, device: str) -> dict:
+    """Run in a child process (`--part recipe`): the drafter rank's step and held-out evaluation."""
+    from transformers import Qwen3Config
+
+    from dflash.data.target import TargetHead
+    from dflash.training.heldout import HeldOutDocument, HeldOutEvaluator
+    from dflash.training.trainer import DrafterTrainer, build_drafter, compute_precision, resolve_layer_ids
+
+    t, dev = TARGET_SHAPE[mode], torch.device(device)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-recipe-") as tmp:
+        config = Qwen3Config(vocab_size=t["vocab"], hidden_size=t["hidden"],
+                             intermediate_size=t["intermediate"], num_hidden_layers=t["layers"],
+                             num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
+                             head_dim=t["head_dim"],
+                             max_position_embeddings=40960, tie_word_embeddings=False)
+        config.save_pretrained(tmp)  # config.json only: what the drafter's build reads of its target
+        cfg = recipe_config(mode, Path(tmp))
+        torch.manual_seed(0)
+        # The target's frozen embedding and lm_head in its dtype, initialised in place on the device.
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        embed = torch.nn.Embedding(t["vocab"], t["hidden"], device=dev, dtype=dtype).requires_grad_(False)
+        head = torch.nn.Linear(t["hidden"], t["vocab"], bias=False, device=dev, dtype=dtype)
+        head.requires_grad_(False)
+        for frozen in (embed, head):
+            frozen.weight.normal_(std=0.02)
+        with dev:
+            drafter = build_drafter(cfg, TargetHead(config, embed, head))
+        layer_ids = resolve_layer_ids(cfg, t["layers"])
+    trainer = DrafterTrainer(drafter, cfg)
+    d, width = cfg.data, len(layer_ids) * t["hidden"]
+    g, g_cpu = torch.Generator(device=dev).manual_seed(0), torch.Generator().manual_seed(0)
+    tokens, prompt = d.batch_size * d.max_length, min(PROMPT_TOKENS, d.max_length // 4)
+    mask = torch.ones(d.max_length, dtype=torch.int64, device=dev)
+    mask[:prompt] = 0
+    batch = {"features": torch.randn(tokens, width, generator=g, device=dev).to(dtype),
+             "cu_seqlens": torch.arange(0, tokens + 1, d.max_length, dtype=torch.int32),
+             "position_ids": torch.arange(d.max_length, device=dev).repeat(d.batch_size),
+             "input_ids": torch.randint(0, t["vocab"] - 1, (tokens,), generator=g, device=dev),
+             "loss_mask": mask.repeat(d.batch_size)}
+    trainer.train_step(**batch)  # the first step creates AdamW's moments; the second is the steady state
+    result, step_peak, step_seconds = _device_peak(lambda: trainer.train_step(**batch), dev)
+    batch.clear()  # the step's features go, as a run's batch does
+
+    documents = []
+    for i in range(d.eval_examples):
+        start = prompt if i < FULL_RESPONSES else d.max_length - 3
+        doc_mask = torch.zeros(d.max_length, dtype=torch.int64)
+        doc_mask[start:] = 1
+        documents.append(HeldOutDocument(torch.randn(d.max_length, width, generator=g, device=dev).to(dtype),
+                                         torch.randint(0, t["vocab"] - 1, (d.max_length,), generator=g_cpu),
+                                         doc_mask, start))
+    heldout = HeldOutEvaluator(documents, d.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
+                               lambda device: compute_precision(cfg, device))
+    # In a run the evaluation follows a step: its gradients (freed at the next step) and AdamW state stay.
+    evaluated, heldout_peak, heldout_seconds = _device_peak(lambda: heldout(drafter), dev)
+    predicted = predicted_peaks(cfg, mode)
+
+    def phase(peak: int, seconds: float, name: str) -> dict:
+        model = predicted[name]
+        return {"peak_bytes": peak, "peak_gib": round(peak / 2**30, 3), "seconds": round(seconds, 2),
+                "predicted_bytes": None if model is None else model["bytes"],
+                "predicted_gib": None if model is None else round(model["bytes"] / 2**30, 3),
+                "predicted_terms_gib": None if model is None else {
+                    k: round(v / 2**30, 3) for k, v in model["terms"].items()}}
+
+    return {"drafter_step": {**phase(step_peak, step_seconds, "drafter_step"), "loss": result.loss,
+                             "blocks": result.num_blocks,
+                             "samples_per_s": round(d.batch_size / step_seconds, 3)},
+            "heldout": {**phase(heldout_peak, heldout_seconds, "heldout"), "tau": evaluated.stats.tau,
+                        "documents": len(documents)},
+            "peak_scope": "cuda max_memory_allocated" if dev.type == "cuda" else "resident growth "
+                          "during the phase (dry run)",
+            "shape": (f"{cfg.model.num_draft_layers} layers, H {t['hidden']}, batch {d.batch_size} x "
+                      f"{d.max_length}, {d.max_anchors} anchors, loss chunk {cfg.model.loss_chunk_size}, "
+                      f"{d.eval_examples} held-out documents")}
 
 
 def run_part_in_subprocess(part: str, mode: str, device: str) -> dict:
@@ -252,31 +401,39 @@ def path_rows(part: dict, paths: tuple[str, ...], rate: str, width: int) -> list
 
 def table(results: dict, header: str) -> str:
     lines = [header]
-    a = results["drafter_step"]
+    a = results.get("drafter_step", {"error": ""})
     if "error" not in a:
         lines += [f"a. drafter step ({a['shape']}; peak: weights, AdamW state and activations)"]
         lines += path_rows(a, ("unchunked", "chunked"), "samples_per_s", 10)
         lines += [f"   chunked/unchunked: peak {a['peak_ratio']}x, time {a['time_ratio']}x",
                   f"   reference: {a['reference']}"]
-    b = results["target_capture"]
+    b = results.get("target_capture", {"error": ""})
     if "error" not in b:
         lines += [f"b. target capture ({b['shape']}, bf16, batch {b['batch']}; peak above the weights)"]
         lines += path_rows(b, ("whole_batch", "rows_per_pass_1"), "tokens_per_s", 16)
-    c = results["gpu_tests"]
+    c = results.get("gpu_tests", {"error": ""})
     if "error" not in c:
         lines += [f"c. pytest -m gpu: {c.get('summary', c.get('status'))}"]
-    d = results["training"]
+    d = results.get("training", {"error": ""})
     if "error" not in d:
         lines += [f"d. training on {d['device']}: {d['steps']} steps, {d['stop']} at step {d['stopped_at']}, "
                   f"resumed; losses equal: {d['losses_equal']} (max rel diff {d['max_rel_loss_diff']:.1e})"]
-    lines += [f"{name}: FAILED: {r['error'].splitlines()[0][:300]}"
+    e = results.get("recipe", {"error": ""})
+    if "error" not in e:
+        lines += [f"e. the recipe's drafter rank (configs/qwen3-8b.yaml: {e['shape']}; {e['peak_scope']})",
+                  f"   {'phase':>12} | {'peak GiB':>8} | {'predicted GiB':>13} | {'seconds':>7}"]
+        lines += [f"   {name:>12} | {e[name]['peak_gib']:>8} | {str(e[name]['predicted_gib']):>13} | "
+                  f"{e[name]['seconds']:>7}" for name in ("drafter_step", "heldout")]
+    lines += [f"{name}: FAILED: {(r['error'].splitlines() or [''])[0][:300]}"
               for name, r in results.items() if "error" in r]
     lines += [NOT_SHOWN]
     return "\n".join(lines)
 
 
 PARTS = {"drafter_step": drafter_part, "target_capture": lambda mode, device: run_part_in_subprocess(
-    "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part}
+    "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part,
+         "recipe": lambda mode, device: run_part_in_subprocess("recipe", mode, device)}
+CHILD_PARTS = {"capture": capture_part, "recipe": recipe_part}
 
 
 def main(argv=None) -> int:
@@ -285,12 +442,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=False, help="directory for gpu_check.txt and gpu_check.json")
     parser.add_argument("--dry-run", action="store_true",
                         help="on CPU at a tiny width (before a GPU sees it)")
-    parser.add_argument("--part", choices=["capture"], help=argparse.SUPPRESS)  # a child's part
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS),
+                        help="the parts to run (default: all)")
+    parser.add_argument("--part", choices=list(CHILD_PARTS), help=argparse.SUPPRESS)  # a child's part
     parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
-        print(json.dumps(capture_part(args.mode, args.device)))
+        print(json.dumps(CHILD_PARTS[args.part](args.mode, args.device)))
         return 0
     if not args.out:
         parser.error("--out DIR is required")
@@ -305,7 +464,7 @@ def main(argv=None) -> int:
               f"torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(header, flush=True)
     results = {}
-    for part, fn in PARTS.items():
+    for part, fn in ((chosen, PARTS[chosen]) for chosen in args.parts):
         part_started = time.monotonic()
         try:
             results[part] = fn(mode, device)

@@ -4,16 +4,23 @@ the message otherwise (the release role runs it in the container before it switc
 The config itself (its dataclasses, `load_config`) is `dflash.core.config`; this command sits above the
 layers whose checks it runs: with the machine checks on, regenerated data's thinking mode is checked
 against `data.enable_thinking` (`dflash.data.data_manifest`) and a feature cache is checked too, shard by
-shard (`dflash.data.feature_cache`, imported only then: the check of a plain config stays light)."""
+shard (`dflash.data.feature_cache`, imported only then: the check of a plain config stays light). Each
+rank's predicted peak memory (`dflash.training.memory_fit`) is checked against the memory of the GPUs it
+gets: nvidia-smi's where it runs (a cuda layout with the machine checks on), or `--gpu-memory` offline."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 
 from dflash.core.config import ConfigError, TrainConfig, load_config
 from dflash.data.data_manifest import check_thinking_mode
+from dflash.training import memory_fit
+
+NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
 
 
 def check_features(cfg: TrainConfig) -> None:
@@ -23,6 +30,41 @@ def check_features(cfg: TrainConfig) -> None:
         from dflash.data.feature_cache import check_cache
 
         check_cache(cfg, checksums=cfg.data.features_verify == "checksums")
+
+
+def gpu_memory(cfg: TrainConfig, offline: str | None, machine: bool) -> dict[int, int] | None:
+    """{GPU index: bytes} of the GPUs the config gets: every GPU of the layout `offline` big (--gpu-memory),
+    else nvidia-smi's figures for a cuda layout on this machine; None when there is nothing to check."""
+    p = cfg.pipeline
+    if offline is not None:
+        size = memory_fit.parse_gpu_memory(offline)
+        return {g: size for g in [*p.target_gpus, *p.drafter_gpus] or [0]}
+    if not machine or p.device != "cuda" or shutil.which(NVIDIA_SMI_QUERY[0]) is None:
+        return None
+    try:
+        done = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=60)
+        if done.returncode == 0:
+            return memory_fit.parse_nvidia_smi(done.stdout)
+        problem = f"exit {done.returncode}: {(done.stdout + done.stderr).strip()}"
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        problem = str(exc)
+    # nvidia-smi writes its errors (no driver, no devices) on stdout.
+    raise ConfigError("pipeline", f"cannot read the GPUs' memory ({' '.join(NVIDIA_SMI_QUERY)}): {problem}")
+
+
+def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = False) -> str | None:
+    """Refuse a config whose ranks' predicted peaks exceed their GPUs (ConfigError with the per-term
+    figures and the knob to turn); the one-line summary when it fits (with `terms`, each rank's terms
+    below it), None when nothing was checked."""
+    if gpus is None:
+        return None
+    peaks = memory_fit.predict(cfg)
+    by_role = memory_fit.gpu_memory_of(cfg, gpus)
+    problem = memory_fit.refusal(peaks, by_role)
+    if problem:
+        key, message = problem
+        raise ConfigError(key, f"the predicted peak memory does not fit: {message}")
+    return "\n".join([memory_fit.summary(peaks, by_role), *(p.table() for p in peaks if terms)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--json", action="store_true",
                           help='print one JSON object on stdout: {"ok": true} or {"ok": false, "key": '
                                '"data.batch_size", "message": "expected int, got \'four\'"} (exit 2)')
+    validate.add_argument("--gpu-memory", metavar="SIZE",
+                          help="check each rank's predicted peak against GPUs of this size (141GiB, 80GB, "
+                               "81559MiB; a bare number is GiB) instead of nvidia-smi's")
+    validate.add_argument("--memory-terms", action="store_true",
+                          help="when the memory check runs and fits, print each rank's predicted peak term "
+                               "by term")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, check_target=not args.no_target_check)
         if not args.no_target_check:
             check_thinking_mode(cfg)
             check_features(cfg)
+        fit = check_memory(cfg, gpu_memory(cfg, args.gpu_memory, machine=not args.no_target_check),
+                           terms=args.memory_terms)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key,
@@ -50,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"ok": True, "config": str(args.config)}) if args.json else f"{args.config}: ok")
+    if args.json:
+        print(json.dumps({"ok": True, "config": str(args.config), **({"memory": fit} if fit else {})}))
+    else:
+        line, _, terms = (fit or "").partition("\n")
+        print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else ""))
     return 0
 
 

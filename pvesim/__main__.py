@@ -35,6 +35,9 @@ def parser():
                            "'container' only the container's own (default host)")
     p_up.add_argument("--node-user", help="log in to the nodes as this user (made if missing), with the sudo "
                                           "rule for /usr/sbin/pct, instead of root")
+    p_up.add_argument("--sudo-rule", type=Path,
+                      help="with --node-user: the user's sudo rules from this sudoers file instead of "
+                           "production's (e.g. inventory/production.example/sudoers.d/ansible_pct.narrow)")
     p_up.add_argument("--network", choices=("isolated", "loopback"), default="isolated",
                       help="isolated: each container reaches only itself (default); loopback: containers "
                            "reach each other at their own 127.x.y.z addresses (net0)")
@@ -83,7 +86,7 @@ def main(argv=None):
         if args.command == "up":
             sim = up(nodes=args.nodes, containers=args.containers, gpus=args.gpus, state_dir=args.state_dir,
                      inventory=args.inventory, compute_apps=args.compute_apps, node_user=args.node_user,
-                     network=args.network)
+                     network=args.network, sudo_rule=args.sudo_rule)
             return print_status([sim.state_dir])
         if args.command == "down":
             down_all() if args.all else down(args.state_dir)

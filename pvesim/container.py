@@ -31,6 +31,9 @@ DRIVER_VERSION = "550.127.05"
 INIT_PATH = "/usr/sbin/pvesim-init"
 NVIDIA_SMI_PATH = "/usr/bin/nvidia-smi"
 NVIDIA_SMI_CONFIG = "/etc/pvesim/nvidia-smi.json"
+# The container's bind mount points (its config's mpN): written by each `pct start`, included by its
+# LXC config.
+MOUNTS_FILE = "mounts.conf"
 HOST_PROC_VIEW = "/run/pvesim/hostproc"  # read-only view of the node's /proc, for host PIDs
 NODE_GPU_VIEW = "/run/pvesim/nodegpu"  # read-only view of the node's GPU state directory
 # The devices of a node with GPUs besides /dev/nvidia<N>: the driver's control device and CUDA's.
@@ -129,7 +132,7 @@ lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0
 lxc.mount.entry = /proc {HOST_PROC_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
 lxc.mount.entry = {gpu_dir} {NODE_GPU_VIEW.lstrip('/')} none bind,ro,create=dir 0 0
 """ + "".join(f"lxc.mount.entry = {p} {p.lstrip('/')} none bind,ro,create=dir 0 0\n"
-            for p in _hidden_controller_paths())
+            for p in _hidden_controller_paths()) + f"lxc.include = {delta.parent / MOUNTS_FILE}\n"
 
 
 # Paths where the container has its own filesystem (its own /root, tmpfs on /tmp and /run), so the
@@ -215,6 +218,7 @@ def write_lxc(node_files, tag, vmid, hostname, network="isolated", driver_tools=
     delta = ct_dir / "delta"
     delta.mkdir(parents=True, exist_ok=True)
     (ct_dir / "config").write_text(lxc_config(tag, vmid, delta, node_files.gpu_dir, hostname, network))
+    (ct_dir / MOUNTS_FILE).touch()
     _put(delta, INIT_PATH, (PACKAGE_BIN / "pvesim-init").read_bytes(), 0o755)
     if driver_tools:
         _put(delta, NVIDIA_SMI_PATH, (PACKAGE_BIN / "nvidia-smi").read_bytes(), 0o755)

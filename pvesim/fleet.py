@@ -269,7 +269,7 @@ class Fleet:
     """A pvesim with the sim inventory's group_vars next to its hosts.yml, and helpers to look inside."""
 
     def __init__(self, base, nodes, containers, gpus=8, **layout):
-        """`layout`: pvesim.up's gpu_passthrough, compute_apps, node_user and network."""
+        """`layout`: pvesim.up's gpu_passthrough, compute_apps, node_user, sudo_rule and network."""
         self.base = base
         (base / "inventory").mkdir(parents=True, exist_ok=True)
         (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)

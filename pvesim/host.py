@@ -216,14 +216,17 @@ def unauthorize_node_user(state_dir, user):
     remove_block(home / ".ssh" / "authorized_keys", state_dir)
 
 
-def sudo_rules(state_dir, user, node_tools):
-    """This sim's sudoers.d file: production's rule for the user, plus pvesim's two additions."""
-    production = [line.strip() for line in PRODUCTION_SUDO_RULE.read_text().splitlines()
+def sudo_rules(state_dir, user, node_tools, rule_file=None):
+    """This sim's sudoers.d file: the rules of `rule_file` (production's by default) for the user, plus
+    pvesim's two additions."""
+    rule_file = Path(rule_file or PRODUCTION_SUDO_RULE)
+    production = [line.strip() for line in rule_file.read_text().splitlines()
                   if line.strip() and not line.lstrip().startswith("#")]
-    rules = [re.sub(r"^\S+", user, line) for line in production]
+    # Each user specification's user becomes the sim's (Defaults lines stay as they are).
+    rules = [line if line.startswith("Defaults") else re.sub(r"^\S+", user, line) for line in production]
     return "".join(f"{line}\n" for line in [
         f"# Written by pvesim for the sim in {state_dir}; `pvesim down` removes it.",
-        f"# The rule of {PRODUCTION_SUDO_RULE.relative_to(PACKAGE_BIN.parents[1])}, for {user}:",
+        f"# The rule of {rule_file}, for {user}:",
         *rules,
         "# pvesim's addition: /usr/sbin/pct finds its node through the session's PVESIM_STATE_DIR and",
         "# PVESIM_NODE (set by the node's sshd), which sudo's env_reset would drop.",
@@ -234,13 +237,13 @@ def sudo_rules(state_dir, user, node_tools):
     ])
 
 
-def install_sudo_rules(state_dir, user, node_tools):
+def install_sudo_rules(state_dir, user, node_tools, rule_file=None):
     """Install this sim's sudoers.d file, checked with visudo first (a broken file breaks sudo)."""
     if not shutil.which("visudo") or not shutil.which("sudo"):
         raise SimError("a node user needs sudo (apt-get install sudo; `make setup` installs it)")
     path = SUDOERS_DIR / f"pvesim-{sim_tag(state_dir)}"
     tmp = SUDOERS_DIR / f".{path.name}.tmp"  # sudo skips names with a dot
-    tmp.write_text(sudo_rules(state_dir, user, node_tools))
+    tmp.write_text(sudo_rules(state_dir, user, node_tools, rule_file))
     tmp.chmod(0o440)
     res = subprocess.run(["visudo", "-cf", str(tmp)], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL)

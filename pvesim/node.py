@@ -129,7 +129,9 @@ SetEnv {setenv}
 Subsystem sftp internal-sftp
 LogLevel INFO
 {user_keys}""")
-    for tool, source in (("nvidia-smi", "nvidia-smi"), ("pvesm", "pvesm"), ("pvesh", "pvesm")):
+    for tool, source in (("nvidia-smi", "nvidia-smi"), ("pvesm", "pvesm"), ("pvesh", "pvesm"),
+                         ("pveversion", "pve-node-tools"), ("pveam", "pve-node-tools"),
+                         ("lsmod", "pve-node-tools")):
         shutil.copyfile(PACKAGE_BIN / source, files.bin / tool)
         (files.bin / tool).chmod(0o755)
     files.storage_config.write_text(json.dumps({"local": {"type": "dir", "total_gib": STORAGE_LOCAL_GIB}}))

@@ -57,6 +57,8 @@ class Sim:
     compute_apps: dict = field(default_factory=dict)
     # The user Ansible logs in to the nodes as (None: root), with the sudo rule for pct.
     node_user: str | None = None
+    # The sudoers file whose rules the node user gets (None: production's, sudoers.d/ansible_pct).
+    sudo_rule: str | None = None
     # "isolated" (each container its own network namespace, loopback only) or "loopback" (containers
     # share the machine's, each with its own 127.x.y.z address: containers on vmbr0 reaching each other).
     network: str = "isolated"
@@ -226,7 +228,7 @@ def _from_record(data):
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
                compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"),
-               network=data.get("network", "isolated"))
+               network=data.get("network", "isolated"), sudo_rule=data.get("sudo_rule"))
 
 
 def split_containers(containers, nodes):
@@ -302,7 +304,7 @@ def _healthy(sim):
 
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
-       gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated"):
+       gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated", sudo_rule=None):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
@@ -310,7 +312,8 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     GPU). `compute_apps` ("host" or "container", or {node name: either}) is the node's driver's
     compute-apps behaviour. `node_user` (a user name other than root) makes Ansible log in to the nodes as
     that user, a machine user pvesim makes, with production's sudo rule for /usr/sbin/pct
-    (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules).
+    (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules), or the
+    rules of the sudoers file `sudo_rule` (sudoers.d/ansible_pct.narrow, say) instead of production's.
     `network` is "isolated" (a container reaches nothing but itself) or
     "loopback" (containers reach each other at their own 127.x.y.z addresses, `Sim.address_of`)."""
     containers = list(containers)
@@ -321,6 +324,12 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     _validate(nodes, containers, gpus, state_dir)
     if node_user is not None and (not host.USER_NAME.match(str(node_user)) or node_user == "root"):
         raise SimError(f"node_user must be a user name other than root, got {node_user!r}")
+    if sudo_rule is not None:
+        if node_user is None:
+            raise SimError("sudo_rule is the node user's sudo rule: give node_user too")
+        sudo_rule = str(Path(sudo_rule).resolve())
+        if not Path(sudo_rule).is_file():
+            raise SimError(f"sudo_rule {sudo_rule} is not a file")
     layout = gpu_layout(split_containers(containers, nodes), gpus, gpu_passthrough)
     modes = compute_apps_by_node([f"pve{i + 1}" for i in range(nodes)], compute_apps)
     with host.machine_lock():
@@ -329,7 +338,8 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
                     and current.gpus == gpus and current.inventory_path == inventory
                     and current.passthrough == layout and current.compute_apps == modes
-                    and current.node_user == node_user and current.network == network)
+                    and current.node_user == node_user and current.network == network
+                    and current.sudo_rule == sudo_rule)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -346,17 +356,18 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
             return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user,
-                              network)
+                              network, sudo_rule)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
-def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network):
+def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network,
+               sudo_rule=None):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
-              compute_apps=modes, node_user=node_user, network=network,
+              compute_apps=modes, node_user=node_user, network=network, sudo_rule=sudo_rule,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -389,7 +400,7 @@ def _install_node_user(sim):
     host.ensure_node_user(sim.node_user)
     host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
     host.install_sudo_rules(sim.state_dir, sim.node_user,
-                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes])
+                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes], sim.sudo_rule)
 
 
 def _ensure_running(sim):

@@ -40,15 +40,19 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Tests marked `reliability_full`, wherever they are, run only under `make test-reliability`
     (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability; tests
-    marked `serve` only when `-m` names them (`make serve-check`), never in a plain run (make test)."""
+    marked `serve` (or `rehearsal`) only when `-m` names them (`make serve-check`, `make rehearsal`),
+    never in a plain run (make test)."""
     skip_full = pytest.mark.skip(reason="full reliability suite only (make test-reliability)")
     skip_serve = pytest.mark.skip(reason="heavy (vLLM engines): runs under `make serve-check` (-m serve)")
-    serve_selected = "serve" in (config.getoption("markexpr") or "")
+    skip_rehearsal = pytest.mark.skip(reason="heavy (Qwen3-8B's width, GiBs): runs under `make rehearsal`")
+    selected = config.getoption("markexpr") or ""
     for item in items:
         if not FULL and item.get_closest_marker("reliability_full"):
             item.add_marker(skip_full)
-        if not serve_selected and item.get_closest_marker("serve"):
+        if "serve" not in selected and item.get_closest_marker("serve"):
             item.add_marker(skip_serve)
+        if "rehearsal" not in selected and item.get_closest_marker("rehearsal"):
+            item.add_marker(skip_rehearsal)
 
 
 def require_sim_machine():

@@ -29,6 +29,7 @@ from dflash.core.sections import (  # noqa: F401 (re-exported: the config's name
     OptimConfig,
     PipelineConfig,
     RunConfig,
+    steps_for_epochs,
 )
 
 
@@ -39,11 +40,14 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/main"))
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # Not a key of the file: data.path's training examples once they are counted (`counted`), which
+    # optim.epochs needs to become steps. Two configs that differ only here are the same config.
+    examples: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                raise ConfigError(f.name, f"expected a {SECTIONS[f.name].__name__}")
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(name, f"expected a {cls.__name__}")
         if self.model.block_size > self.data.max_length:
             raise ConfigError("model.block_size", f"{self.model.block_size} does not fit in "
                               f"data.max_length {self.data.max_length}: no block could be trained")
@@ -73,8 +77,33 @@ class TrainConfig:
             return {"loss_weighting": "dpace", "dpace_alpha": self.optim.dpace_alpha}
         return {"loss_weighting": "decay", "gamma": self.gamma}
 
+    @property
+    def drafters(self) -> int:
+        """The run's drafter ranks, every member's: each optimizer step takes one batch per drafter."""
+        if not self.pipeline.is_multi_process:
+            return 1
+        return sum(d for d, _ in self.pipeline.member_counts)
+
+    @property
+    def total_steps(self) -> int:
+        """The optimizer steps the run takes: optim.total_steps, or those of optim.epochs passes over
+        the counted examples (`steps_for_epochs`)."""
+        if self.optim.epochs is None:
+            return self.optim.total_steps
+        if self.examples is None:
+            raise ConfigError("optim.epochs", "the steps follow from data.path's size, which was not counted "
+                              "(load the config with its data, or pass it through counted())")
+        return steps_for_epochs(self.optim.epochs, self.examples, self.data.batch_size, self.drafters)
+
+    @property
+    def step_plan(self) -> dict:
+        """Where the step count comes from, as the run's start line logs it."""
+        return {"epochs": self.optim.epochs, "examples": self.examples, "batch_size": self.data.batch_size,
+                "drafters": self.drafters, "total_steps": self.total_steps}
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The sections, as the YAML file holds them."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
 SECTIONS = {
@@ -166,6 +195,45 @@ def check_data(cfg: TrainConfig) -> None:
             raise ConfigError(f"data.{key}", f"{what} at {value!r} (expected a JSON-lines file)")
 
 
+def count_examples(path: str | Path, max_length: int, min_loss_tokens: int | None = None) -> int:
+    """The training examples of the JSON-lines file at `path` as `dflash.data.examples.load_examples`
+    keeps them: its non-blank lines, less (with `min_loss_tokens`) those with fewer loss tokens within
+    `max_length`. No tensors and no checks: whoever loads them checks the count (`with_examples`), and a
+    malformed line, counted here, is refused there."""
+    def kept(line: str) -> bool:
+        if min_loss_tokens is None:
+            return True
+        try:
+            return sum(json.loads(line)["loss_mask"][:max_length]) >= min_loss_tokens
+        except (ValueError, KeyError, TypeError):
+            return True
+
+    try:
+        with Path(path).open() as f:
+            return sum(1 for line in f if line.strip() and kept(line))
+    except OSError as exc:
+        raise ConfigError("data.path", f"cannot read {path}: {exc.strerror}") from exc
+
+
+def with_examples(cfg: TrainConfig, examples: int) -> TrainConfig:
+    """`cfg` knowing that data.path holds `examples` training examples (those the loader keeps), when
+    optim.epochs needs them; a count other than the one it was loaded with is refused (the file changed
+    under the run)."""
+    if cfg.optim.epochs is None:
+        return cfg
+    if cfg.examples is not None and cfg.examples != examples:
+        raise ConfigError("data.path", f"{cfg.data.path} holds {examples} examples, {cfg.examples} when the "
+                          "config was loaded and optim.epochs became steps: the file changed; start again")
+    return dataclasses.replace(cfg, examples=examples)
+
+
+def counted(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with data.path's examples counted when optim.epochs needs them (once: a count it holds stays)."""
+    if cfg.optim.epochs is None or cfg.examples is not None:
+        return cfg
+    return with_examples(cfg, count_examples(cfg.data.path, cfg.data.max_length, cfg.data.min_loss_tokens))
+
+
 def check_output_dir(cfg: TrainConfig) -> None:
     """The run can write its outputs where the config says: no symbolic link, no other user's directory."""
     # checkpoint.CHECKPOINT_DIR and telemetry.TENSORBOARD_DIR (both import torch, which config does not).
@@ -178,7 +246,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
 def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
     """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
     `check_target` also checks it against this machine: the target and the data on disk, the output
-    directory, the visible GPUs."""
+    directory, the visible GPUs; and counts data.path's examples when optim.epochs needs them."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -192,6 +260,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
         check_data(cfg)
         check_output_dir(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
+        cfg = counted(cfg)
     return cfg
 
 

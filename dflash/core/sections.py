@@ -5,9 +5,11 @@ and loads the YAML; import them from there."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 DTYPES = ("float32", "bfloat16")
 # model.loss_chunk_size's default: at Qwen3-8B's vocabulary a chunk's logits and their gradient
@@ -17,6 +19,7 @@ DEVICES = ("cpu", "cuda")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model.drafter's, without importing torch
 FEATURE_CHECKS = ("checksums", "sizes")
 LOSS_WEIGHTINGS = ("decay", "dpace")  # optim.loss_weighting
+DEFAULT_TOTAL_STEPS = 1000  # optim.total_steps when neither it nor optim.epochs is set
 
 
 class ConfigError(ValueError):
@@ -134,6 +137,9 @@ class DataConfig(Section):
     max_length: int = 512
     batch_size: int = 4
     max_anchors: int = 512
+    # Drop the training examples with fewer loss tokens than this (after max_length), as SpecForge's
+    # data preparation dropped those with fewer than 2 * block_size; null: keep every example.
+    min_loss_tokens: int | None = None
     # Held-out JSON lines (same format) for the loss and tau every run.eval_every steps; none: no
     # held-out evaluation. Only the first eval_examples rows are used.
     eval_path: str | None = None
@@ -160,6 +166,8 @@ class DataConfig(Section):
         self._require(self.max_length >= 2, "max_length", "must be >= 2")
         self._require(self.batch_size >= 1, "batch_size", "must be >= 1")
         self._require(self.max_anchors >= 1, "max_anchors", "must be >= 1")
+        self._require(self.min_loss_tokens is None or self.min_loss_tokens >= 1, "min_loss_tokens",
+                      "must be >= 1 (loss tokens) or null")
 
 
 @dataclass
@@ -168,7 +176,11 @@ class OptimConfig(Section):
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     max_grad_norm: float = 1.0
-    total_steps: int = 1000
+    # The run's length, one or the other: optimizer steps, or passes over the training data, which the
+    # run turns into steps once it has counted data.path's examples (`steps_for_epochs`). Neither set:
+    # DEFAULT_TOTAL_STEPS steps.
+    total_steps: int | None = None
+    epochs: float | None = None
     gamma: float | None = None
     # How the block positions' cross entropies are weighted (dflash.model.loss): decay, DFlash's fixed
     # exp(-(k-1)/gamma); dpace, D-PACE's weights from the drafter's own confidence (dpace_alpha its
@@ -183,12 +195,30 @@ class OptimConfig(Section):
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         self._require(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
-        self._require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        if self.total_steps is not None and self.epochs is not None:
+            raise ConfigError("optim.epochs", f"optim.total_steps ({self.total_steps}) and optim.epochs "
+                              f"({self.epochs}) are mutually exclusive: set one and leave the other out "
+                              "(or null)")
+        if self.epochs is None:
+            self.total_steps = DEFAULT_TOTAL_STEPS if self.total_steps is None else self.total_steps
+            self._require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        else:
+            self._require(self.epochs > 0 and math.isfinite(self.epochs), "epochs", "must be > 0")
         if self.gamma is not None:
             self._require(self.gamma > 0, "gamma", "must be > 0")
         self._require(self.loss_weighting in LOSS_WEIGHTINGS, "loss_weighting",
                       f"must be one of {', '.join(LOSS_WEIGHTINGS)}")
         self._require(0 <= self.dpace_alpha <= 1, "dpace_alpha", "must be in [0, 1]")
+
+
+def steps_for_epochs(epochs: float, examples: int, batch_size: int, drafters: int) -> int:
+    """The optimizer steps of `epochs` passes over `examples`: a step takes one batch of `batch_size`
+    examples per drafter, and the data order runs on across epochs without a short batch
+    (`dflash.data.examples.BatchOrder`), so the run has seen epochs x examples once
+    ceil(epochs x examples / (batch_size x drafters)) steps are done. `epochs` counts as the decimal
+    it is written as (0.1 is a tenth, not the nearest binary fraction)."""
+    wanted = Fraction(repr(float(epochs))) * examples
+    return max(1, math.ceil(wanted / (batch_size * drafters)))
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch
 from dflash.core.config import TrainConfig, target_shape
 from dflash.core.files import fsync_path
 from dflash.core.runtime import EventLog, StopSignal, ensure_dir
-from dflash.data.examples import BatchOrder, Example, collate, load_examples
+from dflash.data.examples import BatchOrder, Example, collate, training_examples
 from dflash.data.feature_cache import (
     FORMAT,
     MANIFEST,
@@ -88,6 +88,7 @@ def make_plan(cfg: TrainConfig, examples: list[Example], shard_bytes: int) -> tu
         "layer_ids": layer_ids, "dtype": cfg.model.dtype, "width": width,
         "dataset": {"path": str(cfg.data.path), "sha256": file_sha256(cfg.data.path),
                     "examples": len(examples), "max_length": cfg.data.max_length,
+                    "min_loss_tokens": cfg.data.min_loss_tokens,
                     "tokens": sum(n for _, n in sizes)},
         "order": {"batch_size": cfg.data.batch_size, "seed": cfg.run.seed},
         "shards": plan_shards(sizes, width, cfg.model.dtype, shard_bytes),
@@ -230,7 +231,7 @@ def run_replica(replica: int, replicas: int, cfg: TrainConfig, out: Path, plan: 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
-    examples = load_examples(cfg.data.path, cfg.data.max_length)
+    examples = training_examples(cfg.data)
 
     def features_of(batch: list[int]) -> torch.Tensor:
         padded = {k: t.to(device) for k, t in collate([examples[i] for i in batch]).items()}
@@ -283,7 +284,7 @@ def capture(cfg: TrainConfig, out: str | Path, replicas: int = 1, shard_bytes: i
     started = time.perf_counter()
     out, log, stop = Path(out), log or EventLog(0), stop or StopSignal()
     device = cfg.pipeline.device
-    examples = load_examples(cfg.data.path, cfg.data.max_length, target_shape(cfg.model.target_path)[1])
+    examples = training_examples(cfg.data, target_shape(cfg.model.target_path)[1])
     plan, batches = make_plan(cfg, examples, shard_bytes)
     todo = prepare(cfg, out, plan, free)
     shards_total = len(plan["shards"])

@@ -38,12 +38,15 @@ def _parse_line(line: str, where: str, max_length: int) -> Example:
                    torch.tensor(mask[:max_length], dtype=torch.int64))
 
 
-def load_examples(path: str | Path, max_length: int, vocab_size: int | None = None) -> list[Example]:
-    """Every line of the JSON-lines file at `path`, truncated to `max_length` tokens."""
+def load_examples(path: str | Path, max_length: int, vocab_size: int | None = None,
+                  min_loss_tokens: int | None = None) -> list[Example]:
+    """Every line of the JSON-lines file at `path`, truncated to `max_length` tokens; with
+    `min_loss_tokens`, less the examples that keep fewer loss tokens than that (SpecForge's filter,
+    counted after the truncation as SpecForge counts them)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data.path: no data file at {path}")
-    examples = []
+    examples, dropped = [], 0
     with path.open() as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
@@ -51,10 +54,21 @@ def load_examples(path: str | Path, max_length: int, vocab_size: int | None = No
                 if vocab_size is not None and int(example.input_ids.max()) >= vocab_size:
                     raise DataError(f"{path}:{line_no}: token id {int(example.input_ids.max())} is outside "
                                     f"the target's vocabulary ({vocab_size})")
+                if min_loss_tokens is not None and int(example.loss_mask.sum()) < min_loss_tokens:
+                    dropped += 1
+                    continue
                 examples.append(example)
     if not examples:
-        raise DataError(f"data.path: {path} holds no examples")
+        short = f" with {min_loss_tokens} loss tokens or more (data.min_loss_tokens; {dropped} fewer)" \
+            if dropped else ""
+        raise DataError(f"data.path: {path} holds no examples{short}")
     return examples
+
+
+def training_examples(data, vocab_size: int | None = None) -> list[Example]:
+    """The training examples a config's `data` section names: `load_examples` of data.path with its
+    max_length and min_loss_tokens."""
+    return load_examples(data.path, data.max_length, vocab_size, data.min_loss_tokens)
 
 
 class BatchOrder:
@@ -87,8 +101,8 @@ class BatchOrder:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_examples"] != self.num_examples:
-            raise DataError(f"the checkpoint was written for {state['num_examples']} examples, "
-                            f"the data file now has {self.num_examples}")
+            raise DataError(f"the checkpoint was written for {state['num_examples']} examples, the data "
+                            f"now has {self.num_examples} (data.path's, less any data.min_loss_tokens drops)")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._permutation(self.epoch)
 

@@ -235,6 +235,9 @@ def check_identity(cfg: TrainConfig, manifest: dict, root: Path) -> None:
     _compare("dtype", manifest["dtype"], cfg.model.dtype, "model.dtype", root)
     dataset = manifest["dataset"]
     _compare("the max_length", dataset["max_length"], cfg.data.max_length, "data.max_length", root)
+    # Which examples the cache holds (a cache from before the option has none: every example).
+    _compare("examples kept by min_loss_tokens", dataset.get("min_loss_tokens"), cfg.data.min_loss_tokens,
+             "data.min_loss_tokens", root)
     digest = file_sha256(cfg.data.path)
     if dataset["sha256"] != digest:
         raise ConfigError(KEY, f"{root} holds features of another data set ({dataset['path']}, sha256 "

@@ -186,7 +186,7 @@ class Launcher:
         self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
         self.specs = plan_workers(cfg.pipeline, len(self.devices))
         self.status = RunStatus(cfg.run.output_dir)
-        self.log = StatusLog(cfg.optim.total_steps, self.status)
+        self.log = StatusLog(cfg.total_steps, self.status)
         self.lock = threading.RLock()
         self.workers: dict[str, Worker] = {}  # the current start's workers, by name
         self.attempt = 0  # torchrun's restart count

@@ -58,7 +58,7 @@ class TargetFeatures:
 def run_single_process(cfg: TrainConfig) -> int:
     """Run the whole training in this process; return the exit code."""
     torch.set_num_threads(cfg.pipeline.threads_per_worker)
-    log = StatusLog(cfg.optim.total_steps, RunStatus(cfg.run.output_dir, process_worker=WORKER))
+    log = StatusLog(0, RunStatus(cfg.run.output_dir, process_worker=WORKER))  # DrafterRun sets the steps
     stop = StopSignal().install()
 
     def train() -> None:

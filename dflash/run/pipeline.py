@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.rendezvous import rendezvous
 
-from dflash.core.config import ConfigError, PipelineConfig, TrainConfig, load_config
+from dflash.core.config import ConfigError, PipelineConfig, TrainConfig, load_config, with_examples
 from dflash.core.runtime import EventLog, StopSignal
 from dflash.core.stopping import (
     DRAIN_AFTER_ERROR_S,
@@ -55,7 +55,7 @@ from dflash.core.stopping import (
     STARTUP_TIMEOUT,
     die_with_parent,
 )
-from dflash.data.examples import BatchOrder, DataError, load_examples
+from dflash.data.examples import BatchOrder, DataError, training_examples
 from dflash.data.target import load_target, load_target_head, step_features
 from dflash.run.cache_feed import cache_feed
 from dflash.run.ranks import BatchSchedule, first_rank, member_leader, rank_table
@@ -204,9 +204,10 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: 
     group = drafter_group(ctx)
     schedule = ctx.schedule
     drafters = DrafterGroup(ctx, group if schedule.num_drafters > 1 else None, device)
-    log = WorkerLog(cfg.optim.total_steps, ctx.name, ctx.member_leader)
+    log = WorkerLog(cfg.total_steps, ctx.name, ctx.member_leader)
     # A drafter holds only the target's head (embedding, lm_head, config), read from its weights.
     run = DrafterRun(cfg, log, load_target_head(cfg.model.target_path, cfg.model.dtype, device), drafters)
+    cfg = run.cfg  # its steps checked against the examples it loaded
     run.resume()
     first_step = run.trainer.step
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
@@ -240,7 +241,7 @@ def drafter_group(ctx: WorkerContext):
 
 def run_end_step(cfg: TrainConfig, first_step: int) -> int:
     """The optimizer step this process stops after: the end of training or of the per-run budget."""
-    end = cfg.optim.total_steps
+    end = cfg.total_steps
     if cfg.run.max_steps_per_run is not None:
         end = min(end, first_step + cfg.run.max_steps_per_run)
     return max(end, first_step)
@@ -249,12 +250,13 @@ def run_end_step(cfg: TrainConfig, first_step: int) -> int:
 # --- target ranks --------------------------------------------------------------------------------
 def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device,
                startup) -> str:
-    log = WorkerLog(cfg.optim.total_steps, ctx.name)
+    log = WorkerLog(cfg.total_steps, ctx.name)
     schedule = ctx.schedule
     drafter_group(ctx)
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
-    examples = load_examples(cfg.data.path, cfg.data.max_length, target.config.vocab_size)
+    examples = training_examples(cfg.data, target.config.vocab_size)
+    cfg = with_examples(cfg, len(examples))  # the drafters' steps, from the same count
     order = BatchOrder(len(examples), cfg.data.batch_size, cfg.run.seed)
     position = torch.zeros(3, dtype=torch.int64, device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)

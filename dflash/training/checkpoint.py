@@ -256,6 +256,30 @@ def check_loss_weighting(configured: dict, meta: dict) -> None:
                               "from scratch in another run.output_dir")
 
 
+def check_step_plan(cfg, meta: dict) -> None:
+    """Refuse to resume a run of `optim.epochs` (`cfg`, a TrainConfig) whose steps now come out other than
+    the checkpoint's run's: another data size or drafter count would move the end of the run and jump the
+    cosine schedule mid-run (the scheduler keeps only its step). optim.total_steps set to the checkpoint's
+    resumes it on purpose. A run of optim.total_steps resumes as it always has (the count is the config's)."""
+    trained = meta.get("step_plan")
+    if cfg.optim.epochs is None or trained is None:
+        return
+    now = cfg.step_plan
+    if now["total_steps"] == trained["total_steps"]:
+        return
+
+    def plan(p: dict) -> str:
+        epochs = "optim.total_steps" if p.get("epochs") is None else f"{p['epochs']} epochs"
+        examples = "" if p.get("examples") is None else f" of {p['examples']} examples"
+        return (f"{p['total_steps']} steps ({epochs}{examples}, batch {p['batch_size']} x "
+                f"{p['drafters']} drafters)")
+
+    raise ConfigError("optim.epochs", f"derives {plan(now)}, the checkpoint's run was {plan(trained)}: "
+                      "the schedule would change mid-run; set optim.total_steps to "
+                      f"{trained['total_steps']} (and optim.epochs to null) to resume it, or train from "
+                      "scratch in another run.output_dir")
+
+
 def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
     """The drafter saved in checkpoint `path`, around `target`'s frozen embedding and lm_head, in
     eval mode and the target's dtype and device; with the target layer ids it was trained on."""

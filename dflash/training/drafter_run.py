@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.core.config import TrainConfig, dump_config
+from dflash.core.config import TrainConfig, dump_config, with_examples
 from dflash.core.runtime import EventLog
-from dflash.data.examples import BatchOrder, load_examples
+from dflash.data.examples import BatchOrder, load_examples, training_examples
 from dflash.data.target import TargetHead
 from dflash.training.checkpoint import (
     check_loss_weighting,
+    check_step_plan,
     fit_to_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -87,12 +88,15 @@ class SoleDrafter:
 
 class DrafterRun:
     def __init__(self, cfg: TrainConfig, log: EventLog, head: TargetHead, drafters=None):
-        self.cfg, self.log = cfg, log
+        self.examples = training_examples(cfg.data, head.config.vocab_size)
+        # The run's steps follow from the examples it loaded (optim.epochs); `self.cfg.total_steps` is them.
+        self.cfg = cfg = with_examples(cfg, len(self.examples))
+        self.log = log
+        log.total_steps = cfg.total_steps
         self.drafters = drafters or SoleDrafter()
         self.output_dir = Path(cfg.run.output_dir)
         self.device = head.embed_tokens.weight.device
         self.layer_ids = resolve_layer_ids(cfg, head.config.num_hidden_layers)
-        self.examples = load_examples(cfg.data.path, cfg.data.max_length, head.config.vocab_size)
         self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # the drafter's initial weights: the same on every rank
         random.seed(cfg.run.seed)
@@ -129,6 +133,7 @@ class DrafterRun:
         model_state, state, meta = load_checkpoint(checkpoint)
         fit_to_checkpoint(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
         check_loss_weighting(self.cfg.loss_weighting, meta)
+        check_step_plan(self.cfg, meta)
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])
@@ -152,7 +157,7 @@ class DrafterRun:
             drafter = self.trainer.drafter
             meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
                     "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
-                    "loss_weighting": self.cfg.loss_weighting}
+                    "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan}
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
             try:
                 path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
@@ -183,7 +188,7 @@ class DrafterRun:
 
     def end_reason(self, steps_this_run: int) -> str | None:
         """Why the run ends before its next step, or None while it has steps to take."""
-        if self.trainer.step >= self.cfg.optim.total_steps:
+        if self.trainer.step >= self.cfg.total_steps:
             return "completed"
         budget = self.cfg.run.max_steps_per_run
         return "max_steps_per_run" if budget is not None and steps_this_run >= budget else None
@@ -191,9 +196,12 @@ class DrafterRun:
     def run(self, source, stop) -> str:
         """Train until done, stopped, or the per-run step budget is spent; return why it ended. Each
         step's time runs from asking `source` for its batch to the end of the optimizer step."""
-        run_cfg, total = self.cfg.run, self.cfg.optim.total_steps
-        self.log.emit("start", step=self.trainer.step, total_steps=total, pid=os.getpid(),
-                      device=str(self.device), target_layer_ids=self.layer_ids, examples=len(self.examples))
+        run_cfg, total = self.cfg.run, self.cfg.total_steps
+        # One line says where the step count comes from: epochs (null: optim.total_steps), examples,
+        # batch_size, drafters, total_steps.
+        plan = {**self.cfg.step_plan, "examples": len(self.examples)}
+        self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
+                      target_layer_ids=self.layer_ids, **plan)
         steps_this_run = 0
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()

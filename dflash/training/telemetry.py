@@ -18,10 +18,13 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.core.runtime import FILE_MODE, ensure_dir, output_mode
 from dflash.core.safe_paths import open_file
-from dflash.training.trainer import StepResult
+
+if TYPE_CHECKING:  # an annotation only: the controller's plots (dflash.plots) read METRICS_FILE without torch
+    from dflash.training.trainer import StepResult
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

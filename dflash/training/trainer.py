@@ -77,13 +77,14 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer_and_scheduler(params, optim: OptimConfig):
-    """AdamW over `params` and a LambdaLR with warmup + cosine (paper: lr 6e-4, warmup 4%)."""
+def make_optimizer_and_scheduler(params, optim: OptimConfig, total_steps: int):
+    """AdamW over `params` and a LambdaLR with warmup + cosine over the run's `total_steps` (optim's,
+    or those its epochs derive: `TrainConfig.total_steps`) (paper: lr 6e-4, warmup 4%)."""
     params = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    warmup_steps = round(optim.warmup_ratio * optim.total_steps)
+    warmup_steps = round(optim.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, warmup_steps, optim.total_steps)
+        optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps)
     )
     return optimizer, scheduler
 
@@ -199,7 +200,8 @@ class DrafterTrainer:
         dpace = cfg.optim.loss_weighting == "dpace"
         self.gamma = math.inf if dpace else cfg.gamma
         self.dpace_alpha = cfg.optim.dpace_alpha if dpace else None
-        self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim)
+        self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim,
+                                                                       cfg.total_steps)
         self.anchor_generator = torch.Generator().manual_seed(anchor_seed(cfg.run.seed, rank))
         self.step = 0
 

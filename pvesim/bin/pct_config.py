@@ -13,6 +13,8 @@ import re
 EXIT_ERROR = 255
 EXIT_ENOENT = 2
 GPU_DEVICE = re.compile(r"^/dev/nvidia([0-9]+)$")
+MOUNT_POINT = re.compile(r"mp[0-9]+")
+TRUE_WORDS = ("1", "yes", "true", "on")
 CONTROL_DEVICE = "/dev/nvidiactl"
 
 
@@ -101,6 +103,72 @@ def gpu_view(node, vmid, options, lxc):
     return {"gpus": gpus, "ctl": CONTROL_DEVICE in present}
 
 
+def illegal_sequences(path):
+    """Config.pm's verify_lxc_mp_string: no `/./` or `/../`, no `/.` or `/..` at the end, no `../` first."""
+    return re.search(r"/\.\.?/", path) or re.search(r"/\.\.?$", path) or path.startswith("../")
+
+
+def mount_point(value):
+    """The properties of an mpN value as Config.pm parses it with $mp_desc (`volume` the default key,
+    `mp` required, `ro` a boolean); pvesim models bind mount points only (the volume an absolute
+    directory of the node, classify_mountpoint's `bind`), not storage volumes or devices."""
+    props = {}
+    for index, part in enumerate(filter(None, value.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq and index == 0:
+            key, val = "volume", part
+        elif not eq:
+            raise PctError(f"invalid format - value without key, but schema does not define a default "
+                           f"key: {part}")
+        props[key] = val
+    for key in ("volume", "mp"):
+        if key not in props:
+            raise PctError(f"missing property - '{key}' is required")
+        if illegal_sequences(props[key]):
+            raise PctError(f"{props[key]} contains illegal character sequences")
+    if "ro" in props:
+        props["ro"] = "1" if props["ro"].lower() in TRUE_WORDS else "0"
+    if not props["volume"].startswith("/") or props["volume"].startswith("/dev/"):
+        raise PctError(f"pvesim models bind mount points only (an absolute directory of the node), not "
+                       f"{props['volume']}")
+    return props
+
+
+def print_mount_point(props):
+    """print_property_string: the default key's value first, then the other keys sorted."""
+    return ",".join([props["volume"], *(f"{k}={props[k]}" for k in sorted(props) if k != "volume")])
+
+
+def bind_mounts(options):
+    """(node directory, container path, read-only) of every mpN, in valid_volume_keys' order (mp0, mp1,
+    ...), as LXC.pm's mountpoint_mount bind mounts them at the container's start."""
+    found = []
+    for key in sorted((k for k in options if MOUNT_POINT.fullmatch(k)), key=lambda k: int(k[2:])):
+        props = mount_point(options[key])
+        found.append((props["volume"], props["mp"], props.get("ro") == "1"))
+    return found
+
+
+def check_bind_mounts(vmid, mounts):
+    """A start fails when a bind mount's node directory is missing (LXC.pm mountpoint_mount: `die
+    "directory '$volid' does not exist"` in the pre-start hook, before the container runs)."""
+    for volume, _, _ in mounts:
+        if not os.path.isdir(volume):
+            raise PctError(f"directory '{volume}' does not exist\n"
+                           f"run_buffer: 571 Script exited with status 255\n"
+                           f"lxc_init: 845 Failed to run lxc.hook.pre-start for container \"{vmid}\"\n"
+                           f"__lxc_start: 2034 Failed to initialize container \"{vmid}\"\n"
+                           f"startup for container '{vmid}' failed")
+
+
+def lxc_mount_entries(mounts):
+    """The lxc.mount.entry lines of the bind mounts (fstab's escapes: a space is \\040)."""
+    def escape(path):
+        return path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+    return "".join(f"lxc.mount.entry = {escape(volume)} {escape(mp.lstrip('/'))} none "
+                   f"bind,create=dir{',ro' if ro else ''} 0 0\n" for volume, mp, ro in mounts)
+
+
 class ConfigOptions:
     """The options `pct create` and `pct set` take (those a provisioning role uses)."""
 
@@ -108,7 +176,7 @@ class ConfigOptions:
              "features", "description", "start", "storage", "delete", "startup")
 
     def __contains__(self, name):
-        return name in self.PLAIN or bool(re.fullmatch(r"(dev|net)[0-9]+", name))
+        return name in self.PLAIN or bool(re.fullmatch(r"(dev|net|mp)[0-9]+", name))
 
 
 def check_option(node, vmid, key, value):
@@ -124,7 +192,7 @@ def check_option(node, vmid, key, value):
     elif key in ("unprivileged", "onboot", "start"):
         if value.lower() not in ("0", "1", "yes", "no", "true", "false", "on", "off"):
             fail(f"type check ('boolean') failed - got '{value}'")
-        value = "1" if value.lower() in ("1", "yes", "true", "on") else "0"
+        value = "1" if value.lower() in TRUE_WORDS else "0"
     elif key == "hostname":
         if not re.fullmatch(r"(?=.{1,255}$)[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]*"
                             r"[a-zA-Z0-9])?)*", value):
@@ -142,6 +210,11 @@ def check_option(node, vmid, key, value):
             fail(f"invalid format - value '{value}'")
     elif key.startswith("dev"):
         device_path(value)
+    elif MOUNT_POINT.fullmatch(key):
+        try:
+            value = print_mount_point(mount_point(value))
+        except PctError as exc:
+            fail(str(exc))
     elif key.startswith("net") and not re.search(r"(^|,)name=", value):
         fail("missing property - 'name' is required")
     return value

@@ -29,7 +29,7 @@ def test_the_dry_run_measures_every_part_and_writes_its_table_and_json(tmp_path)
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record == json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["ok"] and record["dry_run"]
-    assert not [part for part in ("drafter_step", "target_capture", "gpu_tests", "training")
+    assert not [part for part in ("drafter_step", "target_capture", "gpu_tests", "training", "recipe")
                 if "error" in record[part]]
 
     drafter = record["drafter_step"]
@@ -44,9 +44,56 @@ def test_the_dry_run_measures_every_part_and_writes_its_table_and_json(tmp_path)
     assert 3 <= training["stopped_at"] < training["steps"] and training["losses_equal"]
 
     table = (tmp_path / "gpu_check.txt").read_text()
-    for heading in ("a. drafter step", "b. target capture", "c. pytest -m gpu", "d. training", "nccl"):
+    for heading in ("a. drafter step", "b. target capture", "c. pytest -m gpu", "d. training",
+                    "e. the recipe", "nccl"):
         assert heading in table
     assert table in done.stdout
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_the_recipe_measures_its_step_and_held_out_evaluation_beside_the_prediction(tmp_path):
+    done = gpu_check("--dry-run", "--parts", "recipe", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["ok"] and set(record) >= {"recipe"} and "training" not in record  # that part alone
+    recipe = record["recipe"]
+    step, heldout = recipe["drafter_step"], recipe["heldout"]
+    assert step["blocks"] == 2 * 8 and step["loss"] > 0  # batch 2, 8 anchors a sequence: the dry shape
+    assert heldout["documents"] == 3 and heldout["tau"] >= 1
+    for phase in (step, heldout):
+        assert phase["peak_bytes"] > 0 and phase["seconds"] > 0
+        assert phase["predicted_bytes"] > 0  # the memory model answered for the phase
+    # The step on one GPU: no DDP buckets, no feature queue beyond its batch, no held-out features.
+    assert "ddp_buckets" not in step["predicted_terms_gib"]
+    assert "heldout_features" not in step["predicted_terms_gib"]
+    assert "heldout_features" in heldout["predicted_terms_gib"]
+    table = (tmp_path / "gpu_check.txt").read_text()
+    assert "e. the recipe's drafter rank (configs/qwen3-8b.yaml: 2 layers" in table
+    assert "drafter_step |" in table and "heldout |" in table and "a. drafter step" not in table
+
+
+def test_the_recipe_prediction_is_the_memory_model_s_drafter_rank_on_one_gpu(tmp_path):
+    from benchmarks.gpu_check import RECIPE, TARGET_SHAPE, predicted_peaks, recipe_config
+    from dflash.core.config import load_config
+    from dflash.training import memory_fit
+
+    cfg = recipe_config("full", tmp_path)
+    assert (cfg.model.num_draft_layers, cfg.data.max_length, cfg.data.max_anchors) == (5, 3072, 512)
+    assert not cfg.pipeline.is_multi_process  # one GPU: no DDP
+    peaks = predicted_peaks(cfg, "full")
+    t = TARGET_SHAPE["full"]
+    shape = memory_fit.TargetShape(t["layers"], t["hidden"], t["intermediate"], t["heads"], t["kv_heads"],
+                                   t["head_dim"], t["vocab"], tied=False)
+    recipe = load_config(RECIPE, check_target=False)  # its own layout: 5 target GPUs, 3 drafter GPUs
+    (rank,) = [p for p in memory_fit.predict(recipe, shape, runtime_bytes=0) if p.role == "drafter"]
+    terms = {name: b for name, b in rank.terms if b}
+    step, heldout = peaks["drafter_step"]["terms"], peaks["heldout"]["terms"]
+    assert peaks["heldout"]["bytes"] - peaks["drafter_step"]["bytes"] == terms["heldout_features"] > 0
+    assert set(step) == set(terms) - {"runtime", "ddp_buckets", "heldout_features"}
+    assert set(heldout) == set(step) | {"heldout_features"}
+    assert {k: v for k, v in step.items() if k != "feature_queue"} == \
+        {k: v for k, v in terms.items() if k in step and k != "feature_queue"}
+    assert 0 < step["feature_queue"] < terms["feature_queue"]  # the batch in training, not the queue
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

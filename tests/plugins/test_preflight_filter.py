@@ -14,7 +14,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import is_p
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
 # The roles the playbook checks the variables of, as it names them.
-PLAYBOOK_ROLES = yaml.safe_load((REPO / "playbooks" / "preflight.yml").read_text())[0]["vars"][
+PLAYBOOK_ROLES = yaml.safe_load((ROLES.parent / "playbooks" / "preflight.yml").read_text())[0]["vars"][
     "__dflash_preflight_roles"]
 
 

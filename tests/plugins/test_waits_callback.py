@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.dflash.ops.plugins.callback.waits import MAX_PROGRESS, progress_line
+from ansible_collections.dflash.ops.plugins.plugin_utils.waits import MAX_PROGRESS, progress_line
 from pvesim.fleet import REPO, VENV_BIN
 
 FAKE_RUN = str(REPO / "tests" / "modules" / "fixtures" / "fake_run.py")
@@ -66,8 +66,8 @@ def test_each_retry_of_a_polled_wait_says_the_runs_last_log_line(tmp_path, enabl
                           .replace("collections_path = .", f"collections_path = {REPO}"))
     env = dict(os.environ, ANSIBLE_CONFIG=str(config), ANSIBLE_NOCOLOR="1",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
-    res = subprocess.run([str(Path(VENV_BIN) / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-                          str(play)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = subprocess.run([str(Path(VENV_BIN) / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                          "-e", f"ansible_python_interpreter={sys.executable}", str(play)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     waits = [line for line in res.stdout.splitlines() if "still waiting; last:" in line]
     assert res.stdout.count("FAILED - RETRYING") == 2

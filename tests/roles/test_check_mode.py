@@ -112,6 +112,7 @@ def test_deploy_diff_shows_the_rendered_config_change_of_a_settings_key(fleet):
         old = yaml.safe_load(diffs["config.yaml"]["before"])
         new = yaml.safe_load(diffs["config.yaml"]["after"])
         assert (old["optim"]["lr"], new["optim"]["lr"]) == (3.0e-3, 1.25e-3)
-        assert {k: v for k, v in old.items() if k != "optim"} == {k: v for k, v in new.items() if k != "optim"}
+        assert ({k: v for k, v in old.items() if k != "optim"}
+                == {k: v for k, v in new.items() if k != "optim"})
     assert "+++ after: /opt/dflash/releases/" in res.stdout
     assert state(fleet) == before

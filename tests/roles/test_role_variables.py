@@ -1,5 +1,5 @@
 """Each role reads only its own variables; what one role needs of another's reaches it through the
-playbooks (playbooks/vars/roles.yml), from the one variable that owns the value."""
+playbooks (the collection's playbooks/vars/roles.yml), from the one variable that owns the value."""
 
 import re
 from pathlib import Path
@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 ROLES_DIR = REPO / "ansible_collections" / "dflash" / "ops" / "roles"
 ROLES = sorted(p.name for p in ROLES_DIR.iterdir() if (p / "meta" / "argument_specs.yml").exists())
 ROLE_VARIABLE = re.compile(rf"\b(?<!__)({'|'.join(ROLES)})_[a-z0-9_]+")
-WIRING = yaml.safe_load((REPO / "playbooks" / "vars" / "roles.yml").read_text())
+PLAYBOOKS = REPO / "ansible_collections" / "dflash" / "ops" / "playbooks"
+WIRING = yaml.safe_load((PLAYBOOKS / "vars" / "roles.yml").read_text())
 
 
 def code_lines(path):
@@ -40,7 +41,7 @@ def test_what_the_playbooks_pass_on_is_a_variable_of_the_role_that_gets_it():
     all_options = {role: options(role) for role in ROLES}
     for name in WIRING:
         role = next(r for r in ROLES if name.startswith(r + "_"))
-        assert name in all_options[role], f"playbooks/vars/roles.yml passes {name}, not an option of {role}"
+        assert name in all_options[role], f"vars/roles.yml passes {name}, not an option of {role}"
         # And from another role's variables: a role never passes a value to itself.
         value = str(WIRING[name])
         assert {m.group(1) for m in ROLE_VARIABLE.finditer(value)} - {role}, f"{name}: {value}"
@@ -63,10 +64,10 @@ def runs_a_role(tasks):
 
 
 def test_every_play_that_runs_a_role_loads_what_the_roles_pass_on():
-    plays = [(path.name, play) for path in sorted((REPO / "playbooks").glob("*.yml"))
+    plays = [(path.name, play) for path in sorted(PLAYBOOKS.glob("*.yml"))
              for play in yaml.safe_load(path.read_text()) if "hosts" in play]
     running = [(name, play) for name, play in plays if runs_a_role(play.get("tasks"))]
-    assert len(running) == 9, [play["name"] for _, play in running]
+    assert len(running) == 10, [play["name"] for _, play in running]
     for name, play in running:
         assert "vars/roles.yml" in play.get("vars_files", []), f"{name}: {play['name']} runs a role"
 

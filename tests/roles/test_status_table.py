@@ -11,7 +11,8 @@ import pytest
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "playbooks" / "templates" / "status_table.j2"
+COLLECTION = Path(__file__).resolve().parents[2] / "ansible_collections" / "dflash" / "ops"
+TEMPLATE = COLLECTION / "playbooks" / "templates" / "status_table.j2"
 LOG = "\n".join(f'{{"event": "step", "step": {i}}}' for i in range(1, 9)) + '\n{"event": "crash"}\n'
 
 

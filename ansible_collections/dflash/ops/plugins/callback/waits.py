@@ -1,5 +1,7 @@
 # Copyright: dflash-ops contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# A plugin keeps its imports below its documentation block.
+# ruff: noqa: E402
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -9,8 +11,8 @@ short_description: Say how far a polled wait got, at each retry
 description:
   - A task that polls (C(until), C(retries), C(delay)) prints Ansible's C(FAILED - RETRYING) line at each
     retry, which says neither what it waits for nor how far it got. On each retry whose result has
-    C(progress) (M(dflash.ops.training_run)'s status of a live run with C(log_path) returns its log's last line),
-    this callback prints one more line, with the host and that progress.
+    C(progress) (M(dflash.ops.training_run)'s status of a live run with C(log_path) returns its log's
+    last line), this callback prints one more line, with the host and that progress.
   - Enabled in the project's C(ansible.cfg) (C(callbacks_enabled = dflash.ops.waits)).
 version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
@@ -20,16 +22,7 @@ requirements:
 
 from ansible.plugins.callback import CallbackBase
 
-# A log line longer than this is cut: a wait's line is read by people.
-MAX_PROGRESS = 240
-
-
-def progress_line(host, progress):
-    """What a retry of `host` says of its wait: its last progress, on one line."""
-    text = " ".join(str(progress).split())
-    if len(text) > MAX_PROGRESS:
-        text = text[:MAX_PROGRESS - 3] + "..."
-    return f"    {host}: still waiting; last: {text}"
+from ansible_collections.dflash.ops.plugins.plugin_utils.waits import progress_line
 
 
 class CallbackModule(CallbackBase):

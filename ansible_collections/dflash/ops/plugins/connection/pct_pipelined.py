@@ -295,7 +295,7 @@ notes:
   work.
 
   '
-version_added: 0.2.0
+version_added: "0.3.0"
 """
 
 

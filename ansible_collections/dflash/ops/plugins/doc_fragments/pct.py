@@ -23,4 +23,10 @@ options:
     type: list
     elements: str
     default: [/usr/sbin/pct]
+attributes:
+  action_group:
+    description: Use C(group/dflash.ops.pct) in C(module_defaults) to set defaults for this module.
+    support: full
+    membership:
+      - dflash.ops.pct
 """

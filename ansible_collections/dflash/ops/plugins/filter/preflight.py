@@ -8,7 +8,7 @@ DOCUMENTATION = r"""
 ---
 name: preflight
 author: dflash-ops contributors (@dflash-ops)
-version_added: "0.2.0"
+version_added: "0.3.0"
 short_description: The training containers' inventory and variables checked before any connection
 description:
   - Runs the checks of C(playbooks/preflight.yml) (every family, or the one O(check) names) for the training

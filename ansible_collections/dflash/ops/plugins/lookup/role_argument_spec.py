@@ -8,7 +8,7 @@ DOCUMENTATION = r"""
 ---
 name: role_argument_spec
 author: dflash-ops contributors (@dflash-ops)
-version_added: "0.2.0"
+version_added: "0.3.0"
 short_description: The options of the dflash.ops roles, as their meta/argument_specs.yml types them
 description:
   - Reads the C(meta/argument_specs.yml) of each named role of this collection and returns the options

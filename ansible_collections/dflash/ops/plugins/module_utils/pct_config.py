@@ -18,6 +18,20 @@ def device_values(gpus, control_devices, unprivileged, gid):
     return [f"{path},gid={gid}" if unprivileged else path for path in paths]
 
 
+def mount_values(mounts):
+    """The mpN values of the bind mounts, as pve-container writes them (Config.pm print_ct_mountpoint:
+    the node's directory, the default key `volume`, first, then `mp`, then `ro`)."""
+    return [f"{m['node_path']},mp={m['container_path']}" + (",ro=1" if m["read_only"] else "")
+            for m in mounts]
+
+
+def is_bind_mount(value):
+    """An mpN value whose volume is a directory of the node (Config.pm classify_mountpoint's `bind`:
+    an absolute path, not under /dev/), not a storage volume or a device."""
+    volume = properties(value, "volume").get("volume", "")
+    return volume.startswith("/") and not volume.startswith("/dev/")
+
+
 def wanted_config(params):
     """key -> value as pct config prints it (the root disk as `storage:GiB`, what pct create takes)."""
     wanted = {
@@ -33,6 +47,7 @@ def wanted_config(params):
     values = device_values(params["gpus"], params["control_devices"], params["unprivileged"],
                            params["device_gid"])
     wanted.update({f"dev{i}": value for i, value in enumerate(values)})
+    wanted.update({f"mp{i}": value for i, value in enumerate(mount_values(params["mounts"]))})
     return wanted
 
 
@@ -58,6 +73,11 @@ def properties(value, default_key=None):
     return props
 
 
+def is_true(value):
+    """A boolean property as pve-common's JSON schema reads it (absent: false)."""
+    return (value or "0").lower() in ("1", "yes", "true", "on")
+
+
 def same(key, have, want):
     if have is None:
         return False
@@ -68,19 +88,27 @@ def same(key, have, want):
         default = "path" if key.startswith("dev") else None
         have_props = properties(have, default)
         return all(have_props.get(k) == v for k, v in properties(want, default).items())
+    if re.fullmatch(r"mp[0-9]+", key):  # the node's directory, the container's path and ro, nothing else
+        have_props, want_props = properties(have, "volume"), properties(want, "volume")
+        return (all(have_props.get(k) == want_props.get(k) for k in ("volume", "mp"))
+                and is_true(have_props.get("ro")) == is_true(want_props.get("ro")))
     if key in ("unprivileged", "onboot"):
         return (have or "0") == want
     return have == want
 
 
 def config_differences(wanted, actual):
-    """[{key, have, want}] for every key that differs; a devN passing an NVIDIA device through that the
-    options do not have is to be deleted (want None)."""
+    """[{key, have, want}] for every key that differs; a devN passing an NVIDIA device through and an mpN
+    bind mounting a node's directory that the options do not have are to be deleted (want None); a
+    storage volume's mount point is not the inventory's to remove."""
     diffs = [{"key": key, "have": actual.get(key), "want": value} for key, value in wanted.items()
              if not same(key, actual.get(key), value)]
     for key in sorted(actual):
-        extra_device = key not in wanted and passed_devices([f"{key}: {actual[key]}"])
-        if re.fullmatch(r"dev[0-9]+", key) and extra_device:
+        if key in wanted:
+            continue
+        extra_device = re.fullmatch(r"dev[0-9]+", key) and passed_devices([f"{key}: {actual[key]}"])
+        extra_mount = re.fullmatch(r"mp[0-9]+", key) and is_bind_mount(actual[key])
+        if extra_device or extra_mount:
             diffs.append({"key": key, "have": actual[key], "want": None})
     return diffs
 

@@ -133,6 +133,12 @@ def remove_file(path):
         pass
 
 
+def default_paths(name):
+    """(pidfile, log path) of run `name` where the caller names neither: the module's defaults, and where
+    its action plugin on the controller reads the run's progress."""
+    return f"/var/lib/dflash/{name}.pid", f"/var/log/dflash/{name}.log"
+
+
 def uptime_seconds(record, now=None):
     try:
         started = datetime.fromisoformat(record["started_at"])

@@ -19,7 +19,7 @@ description:
     the project that an earlier version of this module installed into the venv (C(dflash_ops-*.dist-info))
     is removed, file by file as its C(RECORD) lists them.
   - Files are written 0644 and directories 0755 (umask 022), owned by the module's user.
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes

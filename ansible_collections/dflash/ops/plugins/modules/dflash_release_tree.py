@@ -32,7 +32,7 @@ description:
     validate with the trainer's words and the variable to fix (O(fix_variables)).
   - Unpacked files are 0644 (0755 when executable in the archive, as C(run.sh)), directories 0755,
     all owned by the module's user; links, devices and paths outside the directory are refused.
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
@@ -42,7 +42,8 @@ attributes:
     details: Reports what it would change; writes nothing and runs no validation.
   diff_mode:
     support: full
-    details: A switch shows each rendered file (C(config.yaml), C(run.sh)) of the live release beside the new one's.
+    details: A switch shows each rendered file (C(config.yaml), C(run.sh)) of the live release beside the
+      new one's.
 options:
   state:
     description:

@@ -25,7 +25,7 @@ description:
     the pids up. Run on the Proxmox node (C(delegate_to)), each process is mapped to its container
     through C(/proc/<pid>/cgroup).
   - Always read-only.
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes

@@ -32,7 +32,7 @@ description:
     message of their own, with pct's own words.
   - The fixes it names are dflash-ops' inventory variables (C(proxmox_host_start_containers),
     C(dflash_run_verify_gpus), the GPU layout variables).
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes

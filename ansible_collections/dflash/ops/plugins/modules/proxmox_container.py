@@ -12,22 +12,24 @@ short_description: Create a training container on its Proxmox VE node with its G
 description:
   - Runs on the Proxmox VE node. Reads the container with C(pct status) and C(pct config), computes
     the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
-    networks, and a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device),
-    and compares the two.
+    networks, a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device, and an
+    C(mpN) bind mount point for each of O(mounts)), and compares the two.
   - A container that does not exist is created with C(pct create) from O(template) and started. Before
     anything is created it checks that the template is on the node's storage (C(pvesm path)), that
     the node has every GPU of O(gpus) (its C(nvidia-smi), by minor number), that no other container of
     the node has one of them passed through (unless O(allow_shared_gpus)), that the vmid is not taken
     by a VM or a container anywhere in the cluster (C(pvesh get /cluster/resources)), and that the root
-    disk's storage has room for it (C(pvesm status)). A container whose start fails is destroyed again.
+    disk's storage has room for it (C(pvesm status)), and that each directory of O(mounts) is on the node.
+    A container whose start fails is destroyed again.
   - An existing container whose config differs is reported with the differences and left alone,
     unless O(reconcile) is set; then only the differing keys change (C(pct set)), and only when
-    O(run_live) is false. A changed GPU passthrough takes effect by restarting the container.
+    O(run_live) is false. A changed GPU passthrough or bind mount takes effect by restarting the container.
+    A bind mount point the options do not list is removed then too; a storage volume's is left alone.
     The root disk and C(unprivileged) are never changed (C(pct resize) and a new container do that).
   - V(absent) destroys the container, only when O(run_live) is false.
   - The node's C(pvesm) and C(pvesh) run with the prefix of O(pct_argv) (through sudo when pct is), its
     C(nvidia-smi) without sudo.
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
@@ -103,6 +105,29 @@ options:
       passed-through device nodes; V(44) is Debian's C(video) group.
     type: int
     default: 44
+  mounts:
+    description:
+      - Directories of the node bind mounted into the container at its start (C(mp0), C(mp1), ... in
+        this order, written C(/srv/models,mp=/srv/models,ro=1) as pve-container writes them).
+      - Each O(mounts[].node_path) must be a directory on the node; else nothing is created or changed.
+      - In an unprivileged container the node's uids and gids appear shifted (its root is uid 100000 on
+        the node); a writable mount whose directory the container's users cannot write is warned about.
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      node_path:
+        description: The directory on the node (an absolute path).
+        type: str
+        required: true
+      container_path:
+        description: Where the container sees it (an absolute path, not V(/)).
+        type: str
+        required: true
+      read_only:
+        description: Mount it read-only (C(ro=1)), so that nothing in the container can write to it.
+        type: bool
+        default: false
   allow_shared_gpus:
     description: Pass a GPU through that another container of the node already has.
     type: bool
@@ -135,6 +160,9 @@ EXAMPLES = r"""
     networks:
       net0: name=eth0,bridge=vmbr0,ip=dhcp
     gpus: [4, 5, 6, 7]
+    mounts:
+      - {node_path: /srv/models, container_path: /srv/models, read_only: true}
+      - {node_path: /srv/features, container_path: /srv/features}
   delegate_to: pve1
 """
 
@@ -187,6 +215,7 @@ import json
 import os
 import re
 import socket
+import stat
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -231,6 +260,11 @@ ARGUMENT_SPEC = dict(
     control_devices=dict(type="list", elements="str",
                          default=["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]),
     device_gid=dict(type="int", default=44),
+    mounts=dict(type="list", elements="dict", default=[], options=dict(
+        node_path=dict(type="str", required=True),
+        container_path=dict(type="str", required=True),
+        read_only=dict(type="bool", default=False),
+    )),
     allow_shared_gpus=dict(type="bool", default=False),
     reconcile=dict(type="bool", default=False),
     run_live=dict(type="bool", default=False),
@@ -240,6 +274,9 @@ ARGUMENT_SPEC = dict(
 # create; a root disk grows with pct resize).
 FIXED_KEYS = ("rootfs", "unprivileged")
 KIB_PER_GIB = 1024 * 1024
+# An unprivileged container's uids and gids on the node: 0 to 65535 in it are 100000 to 165535 on the
+# node (LXC.pm parse_id_maps' default, lxc.idmap = u 0 100000 65536).
+UNPRIVILEGED_IDS = range(100000, 100000 + 65536)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,6 +378,36 @@ def check_room(pct, vmid, storage, size_gib):
                           "proxmox_provision_rootfs_storage or a smaller proxmox_provision_rootfs_size.")
 
 
+def check_mounts(pct, vmid, mounts, unprivileged):
+    """Each node directory of `mounts` is there (a start bind mounts it, LXC.pm mountpoint_mount: `die
+    "directory '$volid' does not exist"`); returns the warnings of writable mounts an unprivileged
+    container's users cannot write (its root is uid 100000 on the node, and no capability of it
+    overrides the permissions of a directory that uid does not own)."""
+    warnings = []
+    for m in mounts:
+        path, where = m["node_path"], f"(proxmox_provision_mounts, for {m['container_path']} in CT {vmid})"
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            raise CheckFailed(f"{path} {where} does not exist on node {pct.node}: a container bind mounts "
+                              "a directory of its node at its start. Make it there (with what it should "
+                              "hold) or fix node_path.") from None
+        except OSError as exc:
+            raise CheckFailed(f"{path} {where} cannot be checked on node {pct.node} by its user: "
+                              f"{exc.strerror}. Let that user reach it, or fix node_path.") from None
+        if not stat.S_ISDIR(found.st_mode):
+            raise CheckFailed(f"{path} {where} is not a directory on node {pct.node}: a bind mount point "
+                              "mounts a directory. Fix node_path.")
+        writable = found.st_uid in UNPRIVILEGED_IDS or found.st_mode & stat.S_IWOTH
+        if unprivileged and not m["read_only"] and not writable:
+            warnings.append(f"CT {vmid} is unprivileged (its root is uid {UNPRIVILEGED_IDS[0]} on node "
+                            f"{pct.node}), and {path} (uid {found.st_uid}, mode "
+                            f"{stat.S_IMODE(found.st_mode):04o}) is not its: writes to {m['container_path']} "
+                            f"fail in it. chown {UNPRIVILEGED_IDS[0]}:{UNPRIVILEGED_IDS[0]} {path} on the "
+                            "node for the container's root, or mount it read_only.")
+    return warnings
+
+
 # ---------------------------------------------------------------------------------------------
 # Changing the node
 
@@ -367,8 +434,9 @@ def reconcile(pct, vmid, diffs, running):
     deletes = [d["key"] for d in diffs if d["want"] is None]
     args = options_argv(sets) + (["--delete", ",".join(deletes)] if deletes else [])
     pct.must("set", vmid, *args)
-    if running and any(k.startswith("dev") for k in [*sets, *deletes]):
-        # The passthrough of a running container changes at its next start (no live run: checked).
+    if running and any(k.startswith(("dev", "mp")) for k in [*sets, *deletes]):
+        # The passthrough and bind mounts of a running container change at its next start (no live run:
+        # checked).
         pct.must("stop", vmid, timeout=START_TIMEOUT)
         pct.must("start", vmid, timeout=START_TIMEOUT)
 
@@ -400,6 +468,7 @@ def provision(pct, p, check_mode, result):
     by_minor = {g["minor"]: g for g in gpus}
     result["gpu_uuids"] = [by_minor[m]["uuid"] for m in sorted(p["gpus"], key=lambda m: by_minor[m]["index"])]
     result["driver_version"] = gpus[0]["driver"] if gpus else None
+    result["warnings"] = check_mounts(pct, vmid, p["mounts"], p["unprivileged"])
     wanted = wanted_config(p)
     if not exists:
         check_template(pct, vmid, p["template"])
@@ -445,6 +514,27 @@ def difference_text(diffs):
     return "; ".join(f"{d['key']}: {d['have'] or '(unset)'} -> {d['want'] or '(removed)'}" for d in diffs)
 
 
+def mount_problem(mounts):
+    """What is wrong with `mounts` before anything is read (Config.pm: a bind mount's volume is an
+    absolute path, `mp` is a path in the container, neither with `/./` or `/../`, both inside a property
+    string, so no `,`), or None."""
+    seen = set()
+    for m in mounts:
+        for key in ("node_path", "container_path"):
+            path = m[key]
+            if not path.startswith("/") or re.search(r"/\.\.?(/|$)", path) or "," in path or "=" in path:
+                return (f"{key} {path!r} must be an absolute path without /./, /../, ',' or '=' "
+                        f"(mount {m['node_path']} -> {m['container_path']})")
+        if m["node_path"].startswith("/dev/"):
+            return f"node_path {m['node_path']} is a device: pass devices through with devN, not a mount"
+        if m["container_path"].rstrip("/") == "":
+            return f"container_path of {m['node_path']} is the container's root: mount it somewhere below /"
+        if m["container_path"].rstrip("/") in seen:
+            return f"two mounts have container_path {m['container_path']}"
+        seen.add(m["container_path"].rstrip("/"))
+    return None
+
+
 def main():
     module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True,
                            required_if=[("state", "present", ["template"])])
@@ -453,6 +543,9 @@ def main():
         module.fail_json(msg="pct_argv is empty: name the command that runs pct, e.g. [/usr/sbin/pct]")
     if any(gpu < 0 for gpu in p["gpus"]) or len(set(p["gpus"])) != len(p["gpus"]):
         module.fail_json(msg=f"gpus must be distinct GPU numbers >= 0 (N of /dev/nvidiaN), got {p['gpus']}")
+    bad_mount = mount_problem(p["mounts"])
+    if bad_mount:
+        module.fail_json(msg=f"proxmox_provision_mounts: {bad_mount}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
     result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
                   differences=[], gpu_uuids=[], driver_version=None)

@@ -25,7 +25,7 @@ description:
     chosen by command line or name.
   - A pidfile that is not a regular file, not owned by the module's user, writable by other users,
     or in a directory every user can write to, is never trusted; every state but V(status) fails.
-version_added: "0.1.0"
+version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
   - dflash.ops.attributes
@@ -155,6 +155,13 @@ options:
         description: Where C(dflash-resume.service) goes (and its link, under C(multi-user.target.wants)).
         type: path
         default: /etc/systemd/system
+  report_interval:
+    description:
+      - Seconds between the lines the module's action plugin prints on the controller while the call is
+        under way (a stop waiting for the checkpoint, a start waiting for idle GPUs or for O(wait_for)): the
+        host, what the call waits for and the last line of O(log_path). The module itself never sees it.
+    type: float
+    default: 30
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
@@ -287,6 +294,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     PLAIN_FILE_NAME,
     RunError,
     check_expected,
+    default_paths,
     describe,
     inspect,
     is_plain_file_name,
@@ -327,6 +335,7 @@ ARGUMENT_SPEC = dict(
     idle_gpus=dict(type="list", elements="int"),
     idle_max_memory_mib=dict(type="int", default=100),
     idle_timeout=dict(type="float", default=60),
+    report_interval=dict(type="float", default=30),
     boot=dict(type="dict", options=dict(
         python=dict(type="path", default="/usr/bin/python3"),
         status_file=dict(type="path"),
@@ -465,8 +474,9 @@ def main():
             re.compile(params["wait_for"])
         except re.error as exc:
             module.fail_json(msg=f"wait_for is not a regular expression: {exc}")
-    params["pidfile"] = params["pidfile"] or f"/var/lib/dflash/{name}.pid"
-    params["log_path"] = params["log_path"] or f"/var/log/dflash/{name}.log"
+    default_pidfile, default_log_path = default_paths(name)
+    params["pidfile"] = params["pidfile"] or default_pidfile
+    params["log_path"] = params["log_path"] or default_log_path
     env = base_environment()
     env.update({key: str(value) for key, value in params["environment"].items()})
 

@@ -1,0 +1,257 @@
+"""Each rank's peak memory for a training config, term by term, and whether it fits the GPUs it gets.
+
+`predict(cfg, shape)` returns, for the target role and the drafter role, the named terms (bytes) whose
+sum is that rank's peak: arithmetic on the shapes (weights, gradients, AdamW state, DDP's buckets,
+the feature queue) plus per-element coefficients measured on CPU (BENCHMARKS.md sections 5 and 9, and
+the full-width rehearsal, section 13). docs/SCALE.md explains each term; this module is where the
+figures live. `refusal(...)` says what does not fit, with the knob to turn. No torch: `python -m
+dflash.config validate` runs it before anything is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.core.config import ConfigError, TrainConfig
+from dflash.core.target_layers import build_target_layer_ids
+
+GiB = 1 << 30
+MiB = 1 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# The scored logits and cross entropy held at once, per (scored position, vocabulary entry): unchunked,
+# bf16 logits, their float32 log-probabilities and gradient (BENCHMARKS.md section 9: 11.0 bytes); one
+# chunk's logits and gradient while they exist (6 bytes).
+LOSS_BYTES_UNCHUNKED = 11.0
+LOSS_BYTES_CHUNK = 6.0
+# A step's working set per (query, hidden channel), from section 9's chunked steps at H 4096 (bf16
+# autocast): each draft layer's saved activations and bf16 weight copies, the 5-layer step's growth over
+# the 1-layer step's at 4096 queries ((4.96 - 1.80) GiB / 4 layers); and what a query holds outside
+# the layers (block embeddings, hidden states and their fp32 gradient), the 1-layer step's growth from
+# 4096 to 8192 queries ((3.06 - 1.80) GiB) less one layer's share. Against section 9's four chunked
+# figures these predict 0.94x to 1.15x.
+LAYER_ACTIVATION_BYTES = 50.6
+QUERY_ACTIVATION_BYTES = 30.0
+# The target's capture working set per (row of a pass, token, hidden channel), in elements of the
+# target's dtype (section 5: ~10 layer outputs for a whole-batch pass; one row a pass divides it).
+CAPTURE_WORKING_ELEMENTS = 10.0
+# What a process holds before its model: the CUDA context and the allocator's reserve on a GPU (an
+# estimate until the GPU check measures it); on CPU the rehearsal measures Python + torch + the
+# trainer's imports and passes it in (`runtime_bytes`).
+CUDA_RUNTIME_BYTES = 1 * GiB
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the memory model needs of the target's config.json."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def read(cls, target_path: str) -> TargetShape:
+        config_file = Path(target_path) / "config.json"
+        try:
+            raw = json.loads(config_file.read_text())
+            text = raw.get("text_config") or raw
+            heads = int(text["num_attention_heads"])
+            return cls(int(text["num_hidden_layers"]), int(text["hidden_size"]),
+                       int(text["intermediate_size"]), heads, int(text.get("num_key_value_heads") or heads),
+                       int(text.get("head_dim") or text["hidden_size"] // heads), int(text["vocab_size"]),
+                       bool(raw.get("tie_word_embeddings", False)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("model.target_path", f"cannot read the target's shape from {config_file}: "
+                              f"{exc!r}") from exc
+
+    def layer_parameters(self) -> int:
+        """One decoder layer of this shape (the drafter's layers are the target's)."""
+        h, d = self.hidden, self.head_dim
+        attention = 2 * h * self.heads * d + 2 * h * self.kv_heads * d + 2 * d
+        return attention + 3 * h * self.intermediate + 2 * h
+
+    def head_parameters(self) -> int:
+        """The input embedding and the lm_head (one tensor when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@dataclass(frozen=True)
+class RolePeak:
+    """One rank's predicted peak: (term name, bytes) in the order docs/SCALE.md lists them."""
+
+    role: str
+    terms: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.terms)
+
+    def table(self) -> str:
+        rows = [f"  {name:<26} {b / GiB:6.2f} GiB" for name, b in self.terms]
+        return "\n".join([f"{self.role}: {self.total / GiB:.2f} GiB", *rows])
+
+
+def drafter_parameters(cfg: TrainConfig, shape: TargetShape) -> int:
+    """The drafter's trainable parameters: `fc` over the k target features, its layers, two norms."""
+    k = len(feature_layer_ids(cfg, shape))
+    layers = cfg.model.num_draft_layers * shape.layer_parameters()
+    return k * shape.hidden * shape.hidden + layers + 2 * shape.hidden
+
+
+def feature_layer_ids(cfg: TrainConfig, shape: TargetShape) -> list[int]:
+    return cfg.model.target_layer_ids or build_target_layer_ids(shape.num_layers, cfg.model.num_draft_layers)
+
+
+def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
+    """A drafter rank: the frozen head, fp32 masters, gradients, DDP's buckets, AdamW, one document
+    group's step (a group is about one full-length document: max_length tokens, max_anchors blocks),
+    the received feature batches and the held-out features."""
+    m, d, p = cfg.model, cfg.data, cfg.pipeline
+    dtype = DTYPE_BYTES[m.dtype]
+    params = drafter_parameters(cfg, shape)
+    k = len(feature_layer_ids(cfg, shape))
+    queries = d.max_anchors * m.block_size
+    scored = d.max_anchors * (m.block_size - 1)
+    drafters = sum(n for n, _ in p.member_counts) if p.is_multi_process else 1
+    loss = (min(m.loss_chunk_size, scored) * LOSS_BYTES_CHUNK if m.loss_chunk_size is not None
+            else scored * LOSS_BYTES_UNCHUNKED) * shape.vocab
+    feature_batch = d.batch_size * d.max_length * k * shape.hidden * dtype
+    queued = p.queue_depth + 1 if p.is_multi_process else 1  # the queue plus the batch in training
+    terms = [
+        ("runtime", runtime_bytes),
+        ("target_head", shape.head_parameters() * dtype),
+        ("drafter_weights_fp32", 4 * params),
+        ("gradients_fp32", 4 * params),
+        # DDP's reducer copies the gradients into buckets of its own (gradient_as_bucket_view off).
+        ("ddp_buckets", 4 * params if drafters > 1 else 0),
+        ("adamw_state_fp32", 8 * params),
+        ("layer_activations", int(m.num_draft_layers * LAYER_ACTIVATION_BYTES * queries * shape.hidden)),
+        ("query_activations", int(QUERY_ACTIVATION_BYTES * queries * shape.hidden)),
+        ("loss_chunk" if m.loss_chunk_size is not None else "loss_unchunked", int(loss)),
+        ("feature_queue", queued * feature_batch),
+        ("heldout_features", d.eval_examples * d.max_length * k * shape.hidden * dtype if d.eval_path else 0),
+    ]
+    return RolePeak("drafter", tuple(terms))
+
+
+def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
+    """A target rank: its weights, the packed features of a batch and the capture's working set. On a GPU
+    every weight is copied to the device. On CPU the weights stay mapped from the safetensors file and
+    only the pages read are resident: the layers up to the deepest captured one (the capture stops
+    there), and neither the embedding (a batch reads a few of its rows) nor the lm_head."""
+    m, d = cfg.model, cfg.data
+    dtype = DTYPE_BYTES[m.dtype]
+    ids = feature_layer_ids(cfg, shape)
+    rows = min(m.target_rows_per_pass or d.batch_size, d.batch_size)
+    on_gpu = cfg.pipeline.device == "cuda"
+    layers = shape.num_layers if on_gpu else max(ids) + 1
+    tokens = d.batch_size * d.max_length
+    terms = [
+        ("runtime", runtime_bytes),
+        ("target_layers", (layers * shape.layer_parameters() + shape.hidden) * dtype),
+        ("target_embedding_and_head", shape.head_parameters() * dtype if on_gpu else 0),
+        ("features_out", tokens * len(ids) * shape.hidden * dtype),
+        ("capture_working_set", int(CAPTURE_WORKING_ELEMENTS * rows * d.max_length * shape.hidden * dtype)),
+    ]
+    return RolePeak("target", tuple(terms))
+
+
+def predict(cfg: TrainConfig, shape: TargetShape | None = None,
+            runtime_bytes: int | None = None) -> list[RolePeak]:
+    """The peak of each kind of rank the config starts: a target rank (when it has one) and a drafter
+    rank. A single process (no pipeline layout) holds both."""
+    shape = shape or TargetShape.read(cfg.model.target_path)
+    if runtime_bytes is None:
+        runtime_bytes = CUDA_RUNTIME_BYTES if cfg.pipeline.device == "cuda" else 0
+    drafter = drafter_peak(cfg, shape, runtime_bytes)
+    has_target = cfg.data.features_path is None
+    if not cfg.pipeline.is_multi_process:
+        if not has_target:
+            return [drafter]
+        target = target_peak(cfg, shape, 0)
+        # One process: the drafter's head is the target's own embedding and lm_head.
+        return [RolePeak("single", drafter.terms + tuple(
+            (n, b) for n, b in target.terms if n not in ("runtime", "target_embedding_and_head")))]
+    targets = sum(t for _, t in cfg.pipeline.member_counts)
+    return ([target_peak(cfg, shape, runtime_bytes)] if targets else []) + [drafter]
+
+
+# The config key that shrinks each term (a refusal names the largest term's), and how.
+KNOBS = {
+    "loss_unchunked": ("model.loss_chunk_size", "e.g. 512: one chunk of the logits at a time"),
+    "loss_chunk": ("model.loss_chunk_size", "fewer scored positions per lm_head chunk"),
+    "layer_activations": ("data.max_anchors", "fewer blocks in a document group's step"),
+    "query_activations": ("data.max_anchors", "fewer blocks in a document group's step"),
+    "feature_queue": ("pipeline.queue_depth", "fewer received batches held, or a smaller data.batch_size"),
+    "capture_working_set": ("model.target_rows_per_pass", "e.g. 1, or a smaller data.batch_size"),
+    "features_out": ("data.batch_size", "fewer tokens a batch"),
+    "heldout_features": ("data.eval_examples", "fewer held-out examples"),
+}
+
+
+def gpu_memory_of(cfg: TrainConfig, gpus: dict[int, int]) -> dict[str, list[tuple[int, int]]]:
+    """(GPU index, bytes) of the GPUs each role gets: `gpus` maps an index to its memory."""
+    p = cfg.pipeline
+    if not p.is_multi_process:
+        return {"single": [(0, gpus[0])] if 0 in gpus else []}
+    return {"target": [(g, gpus[g]) for g in p.target_gpus if g in gpus],
+            "drafter": [(g, gpus[g]) for g in p.drafter_gpus if g in gpus]}
+
+
+def refusal(peaks: list[RolePeak], gpus: dict[str, list[tuple[int, int]]]) -> tuple[str, str] | None:
+    """None when every rank's peak fits its GPU; else (the config key to turn, what does not fit):
+    the ranks over their GPU, term by term; the key is the one that shrinks the largest term a key can
+    shrink (`pipeline` when none can: the layout needs larger GPUs)."""
+    problems, keys = [], []
+    for peak in peaks:
+        for index, size in gpus.get(peak.role, []):
+            if peak.total <= size:
+                continue
+            turnable = [(b, n) for n, b in peak.terms if n in KNOBS and b]
+            key, how = KNOBS[max(turnable)[1]] if turnable else ("pipeline", "larger GPUs")
+            keys.append(key)
+            problems.append(f"the {peak.role} rank needs {peak.total / GiB:.1f} GiB, GPU {index} has "
+                            f"{size / GiB:.1f} GiB; turn {key} ({how})\n{peak.table()}")
+            break
+    return (keys[0], "\n".join(problems)) if problems else None
+
+
+def summary(peaks: list[RolePeak], gpus: dict[str, list[tuple[int, int]]]) -> str:
+    """One line: each role's predicted peak against the smallest GPU it gets."""
+    parts = []
+    for peak in peaks:
+        sizes = [s for _, s in gpus.get(peak.role, [])]
+        of = f" of {min(sizes) / GiB:.0f}" if sizes else ""
+        parts.append(f"{peak.role} {peak.total / GiB:.1f} GiB{of}")
+    return "memory fits: " + ", ".join(parts)
+
+
+def parse_gpu_memory(text: str) -> int:
+    """`--gpu-memory`: '141GiB', '80 GB', '81559MiB' or a bare number of GiB -> bytes. GB is read as
+    the vendor's decimal gigabytes (an '80 GB' GPU reports 81559 MiB)."""
+    raw = text.strip().replace(" ", "")
+    units = {"gib": GiB, "gb": 10**9, "mib": MiB, "mb": 10**6, "": GiB}
+    number = raw.rstrip("GgMmIiBb")
+    unit = raw[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ConfigError("--gpu-memory", f"expected a size such as 141GiB, 80GB or 81559MiB, got {text!r}")
+    return int(value * units[unit])
+
+
+def parse_nvidia_smi(output: str) -> dict[int, int]:
+    """`nvidia-smi --query-gpu=index,memory.total --format=csv,noheader,nounits` -> {index: bytes}."""
+    gpus = {}
+    for line in output.strip().splitlines():
+        index, total = (x.strip() for x in line.split(","))
+        gpus[int(index)] = int(float(total)) * MiB
+    return gpus

@@ -1,0 +1,122 @@
+"""The collection as a user gets it: `ansible-galaxy collection build` makes the artifact,
+`ansible-galaxy collection install --offline` puts it into an empty collections path, and its playbooks
+run by name (`ansible-playbook dflash.ops.deploy`) from a directory that holds only an inventory and an
+ansible.cfg naming that path: no checkout anywhere Ansible looks (not the working directory, not
+ansible.cfg's collections_path, not Python's path).
+
+community.proxmox, the collection's one dependency, is the one the pinned `ansible` package bundles on
+Python's path (Ansible scans it for ansible_collections/): `--offline` resolves the dependency against it
+(`'community.proxmox:1.4.0' is already installed`), as it would against one installed from Galaxy with the
+root's requirements.yml. The trainer's source is not in the collection: a deploy is told where it is
+(-e dflash_release_source_dir=<a dflash-ops checkout>/dflash), and refuses clearly when it is not."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from pvesim.fleet import REPO, VENV_BIN, Fleet, ansible_env
+
+COLLECTION = REPO / "ansible_collections" / "dflash" / "ops"
+VERSION = yaml.safe_load((COLLECTION / "galaxy.yml").read_text())["version"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The artifact built, installed offline into root/collections, and root/site with an ansible.cfg
+    that names that path alone. Returns its root, artifact, collections path, site and environment."""
+    root = tmp_path_factory.mktemp("galaxy")
+    collections, site = root / "collections", root / "site"
+    site.mkdir()
+    (site / "ansible.cfg").write_text(f"[defaults]\ncollections_path = {collections}\n")
+    env = ansible_env(ANSIBLE_CONFIG=str(site / "ansible.cfg"))
+    for name in ("PYTHONPATH", "ANSIBLE_COLLECTIONS_PATH", "ANSIBLE_COLLECTIONS_PATHS"):
+        env.pop(name, None)  # the repo on Python's path would offer its own copy of the collection
+
+    def galaxy(*args):
+        res = subprocess.run([str(VENV_BIN / "ansible-galaxy"), "collection", *args], capture_output=True,
+                             text=True, cwd=site, timeout=120, env=env, stdin=subprocess.DEVNULL)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout
+
+    galaxy("build", str(COLLECTION), "--output-path", str(root))
+    artifact = root / f"dflash-ops-{VERSION}.tar.gz"
+    installing = galaxy("install", str(artifact), "--offline")
+    return SimpleNamespace(root=root, artifact=artifact, collections=collections, site=site, env=env,
+                           installing=installing, galaxy=galaxy)
+
+
+def playbook(installed, *args, timeout=300):
+    return subprocess.run([str(VENV_BIN / "ansible-playbook"), *args], env=installed.env, cwd=installed.site,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_the_artifact_ships_the_playbooks_their_files_and_the_metadata(installed):
+    with tarfile.open(installed.artifact) as tar:
+        names = set(tar.getnames())
+        manifest = json.load(tar.extractfile("MANIFEST.json"))["collection_info"]
+    shipped = {p.relative_to(COLLECTION).as_posix() for p in (COLLECTION / "playbooks").rglob("*")
+               if p.is_file()}
+    assert shipped and shipped <= names, sorted(shipped - names)
+    assert {"playbooks/deploy.yml", "playbooks/vars/roles.yml", "playbooks/tasks/prepare.yml",
+            "playbooks/templates/status_table.j2", "meta/runtime.yml", "LICENSE",
+            "changelogs/changelog.yaml", "CHANGELOG.rst"} <= names
+    assert not [n for n in names if "/molecule/" in n or n.endswith(".pyc")]
+    assert manifest["version"] == VERSION and manifest["license"] == ["GPL-3.0-or-later"]
+    assert manifest["dependencies"] == {"community.proxmox": ">=1.4.0,<1.5.0"}
+    # The dependency came from Python's path: nothing but dflash.ops went into the empty path.
+    assert "'community.proxmox:1.4.0' is already installed" in installed.installing, installed.installing
+    assert sorted(p.name for p in (installed.collections / "ansible_collections").iterdir()) == ["dflash"]
+
+
+def test_module_defaults_reach_the_pct_modules_through_their_action_group(installed):
+    """meta/runtime.yml's group, from the installed copy: pct_argv set once for group/dflash.ops.pct
+    is the one pct_container_check runs (and names when it is missing)."""
+    (installed.site / "group.yml").write_text(yaml.safe_dump([{
+        "name": "Check a container with the group's pct.", "hosts": "localhost", "gather_facts": False,
+        "module_defaults": {"group/dflash.ops.pct": {"pct_argv": ["/nonexistent/bin/pct"]}},
+        "tasks": [{"name": "Check the container.", "dflash.ops.pct_container_check": {"vmid": 200}}]}]))
+    res = playbook(installed, "-i", "localhost,", "-c", "local",
+                   "-e", f"ansible_python_interpreter={sys.executable}", "group.yml")
+    assert res.returncode != 0
+    assert "/nonexistent/bin/pct is missing on node" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_a_deploy_runs_from_the_installed_collection_with_no_checkout(installed, tmp_path_factory):
+    """Without the trainer's source a deploy stops before any release exists, naming the variable; with
+    it, dflash.ops.deploy ships the release and starts the run, every task from the installed copy."""
+    fleet = Fleet(tmp_path_factory.mktemp("installed-fleet"), nodes=1, containers=(200,))
+    try:
+        # The sim's inventory, its group_vars copied (not linked into the checkout).
+        shutil.copytree(fleet.base / "inventory", installed.site / "inventory", symlinks=False)
+        installed.env["DFLASH_SIM_ASSETS"] = str(fleet.assets)
+        inventory = str(installed.site / "inventory" / "hosts.yml")
+
+        res = playbook(installed, "-i", inventory, "dflash.ops.deploy")
+        assert res.returncode != 0
+        assert "set dflash_release_source_dir to the dflash/ directory" in res.stdout, res.stdout + res.stderr
+        assert fleet.live_release(200) == "" and fleet.run_info(200) is None
+
+        res = playbook(installed, "-vv", "-i", inventory, "dflash.ops.deploy",
+                       "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}")
+        assert res.returncode == 0, res.stdout[-6000:] + res.stderr
+        task_paths = set(re.findall(r"^task path: (\S+?):\d+$", res.stdout, re.MULTILINE))
+        assert task_paths, res.stdout[-3000:]
+        outside = {p for p in task_paths if not p.startswith(str(installed.collections) + "/")}
+        assert not outside, f"tasks not from the installed collection: {sorted(outside)}"
+        release_dir = fleet.live_release(200)
+        run = fleet.run_info(200)
+        assert run and run["argv"] == [f"{release_dir}/run.sh"] and fleet.alive(200, run["pid"]), run
+        # The release is the source it was told of: its package's first file is the snapshot's.
+        shipped = fleet.read(200, f"{release_dir}/dflash/__init__.py")
+        assert shipped == (fleet.src / "dflash" / "__init__.py").read_text()
+    finally:
+        fleet.down()

@@ -1,0 +1,138 @@
+"""playbooks/preflight_node.yml: a node's prerequisites as a checklist. A good node passes every item; a node
+without nvidia-uvm, with an old Proxmox VE, without the template or without NVIDIA's installer fails,
+naming the item and its fix, while the other items still pass; a missing template is downloaded when
+asked (pvesim's `pveam download` copies from the sim's mirror), and only reported in check mode.
+The faults are made in a small sim of this file's, one at a time (each undone), never in the session's."""
+
+import re
+import subprocess
+
+import pytest
+
+import pvesim
+from pvesim import node, prerequisites
+from pvesim.fleet import REPO, VENV_BIN, ansible_env
+
+pytestmark = pytest.mark.sim
+
+ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "template", "nvidia-installer", "storage-room"]
+TEMPLATE = "local:vztmpl/" + node.TEMPLATE
+CHECKLIST_TASK = "Show the node's checklist."
+
+
+def preflight_node(s, *args):
+    res = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(s.inventory_path), *args,
+                          str(REPO / "playbooks" / "preflight_node.yml")], env=ansible_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return res
+
+
+def checklist(res, host="pve1"):
+    """{item: (PASS or FAIL, the rest of its line)} of a host's checklist, as the play printed it."""
+    block = res.stdout.split(f"TASK [dflash.ops.proxmox_host : {CHECKLIST_TASK}]", 1)[1]
+    block = block.split(f"ok: [{host}] => ", 1)[1].split("\n}\n", 1)[0]
+    lines = re.findall(r'^\s+"(PASS|FAIL) ([a-z-]+): (.*)",?$', block, re.M)
+    return {item: (verdict, rest) for verdict, item, rest in lines}
+
+
+@pytest.fixture(scope="module")
+def node_sim(tmp_path_factory):
+    """pve1 with CT 370 and one GPU, for the faults (each test undoes its own)."""
+    base = tmp_path_factory.mktemp("node-faults")
+    s = pvesim.up(nodes=1, containers=(370,), gpus=1, state_dir=base / "state", inventory=base / "hosts.yml")
+    yield s
+    pvesim.down(s.state_dir)
+
+
+def test_a_good_node_passes_every_item(sim):
+    res = preflight_node(sim)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for host in ("pve1", "pve2"):
+        items = checklist(res, host)
+        assert list(items) == ITEMS, items
+        assert {verdict for verdict, _ in items.values()} == {"PASS"}, items
+        assert items["pve-version"][1] == "Proxmox VE 8.2.4 (needs 8.1+)"
+        assert items["nvidia-driver"][1].startswith(f"driver {node.DRIVER_VERSION}, 8 GPU(s)")
+        assert items["nvidia-installer"][1] == f"{installer(sim, host)} is there"
+
+
+def installer(s, host="pve1"):
+    return node.NodeFiles(s.state_dir, host).snippets / f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run"
+
+
+def template_file(s):
+    return node.NodeFiles(s.state_dir, "pve1").template_cache / node.TEMPLATE
+
+
+def fault_nvidia_uvm(s):
+    prerequisites.set_nvidia_uvm(s, "pve1", loaded=False)
+    return lambda: prerequisites.set_nvidia_uvm(s, "pve1", loaded=True)
+
+
+def fault_old_version(s):
+    prerequisites.set_pve_version(s, "pve1", "8.0.4/d258a813")
+    return lambda: prerequisites.set_pve_version(s, "pve1", prerequisites.DEFAULT_VERSION)
+
+
+def fault_no_template(s):
+    template_file(s).unlink()
+    return template_file(s).touch
+
+
+def fault_no_installer(s):
+    text = installer(s).read_text()
+    installer(s).unlink()
+    return lambda: installer(s).write_text(text)
+
+
+@pytest.mark.parametrize("fault, item, found, fix", [
+    (fault_nvidia_uvm, "nvidia-uvm", "lsmod lists no nvidia_uvm",
+     "modprobe nvidia-uvm && nvidia-modprobe -u -c=0"),
+    (fault_old_version, "pve-version", "Proxmox VE 8.0.4 (needs 8.1+)", "upgrade the node to Proxmox VE 8.1"),
+    (fault_no_template, "template", f"{TEMPLATE} is not on storage local (pveam list local)",
+     f"pveam update && pveam download local {node.TEMPLATE}"),
+    (fault_no_installer, "nvidia-installer", f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run is missing",
+     f"https://download.nvidia.com/XFree86/Linux-x86_64/{node.DRIVER_VERSION}/"),
+], ids=["no-nvidia-uvm", "old-pve", "no-template", "no-installer"])
+def test_a_node_lacking_one_item_fails_naming_it_and_its_fix(node_sim, fault, item, found, fix):
+    undo = fault(node_sim)
+    try:
+        res = preflight_node(node_sim)
+    finally:
+        undo()
+    assert res.returncode != 0
+    items = checklist(res)
+    assert list(items) == ITEMS, items
+    verdict, line = items[item]
+    found_part, _, fix_part = line.partition(". Fix: ")
+    assert verdict == "FAIL" and found in found_part and fix in fix_part, line
+    # Each item stands on its own: the others pass.
+    assert all(v == "PASS" for name, (v, _) in items.items() if name != item), items
+    # The failure lists the item that fails, with its fix, and no other.
+    failure = res.stdout.split("Fail naming each prerequisite the node lacks and its fix.", 1)[1]
+    assert f"FAIL {item}: " in failure and fix in failure
+    assert not [name for name in ITEMS if name != item and f"FAIL {name}: " in failure]
+
+
+def test_a_missing_template_is_downloaded_when_asked(node_sim):
+    fault_no_template(node_sim)
+    cached = template_file(node_sim)
+    download = ("-e", "proxmox_host_prerequisites_download_template=true")
+    # Not in the mirror (pveam's appliance index): pveam refuses it, and the item fails saying so.
+    res = preflight_node(node_sim, *download)
+    assert res.returncode != 0
+    verdict, line = checklist(res)["template"]
+    assert verdict == "FAIL" and "template: no such template" in line, line
+
+    (prerequisites.mirror(node_sim) / node.TEMPLATE).write_bytes(b"template")
+    check = preflight_node(node_sim, *download, "--check")
+    assert check.returncode == 0, check.stdout
+    assert "would be downloaded (pveam download local" in checklist(check)["template"][1]
+    assert not cached.exists()
+
+    res = preflight_node(node_sim, *download)
+    assert res.returncode == 0, res.stdout
+    downloaded = f"{TEMPLATE} downloaded (pveam download local {node.TEMPLATE})"
+    assert checklist(res)["template"] == ("PASS", downloaded)
+    assert cached.read_bytes() == b"template"
+    assert re.search(r"pve1\s+: ok=\d+\s+changed=1 ", res.stdout), res.stdout
