@@ -13,7 +13,7 @@ import yaml
 from module_runner import REPO, VENV_BIN
 
 PLUGINS = "ansible_collections.dflash.ops.plugins"
-DIFF_MODE = {"proxmox_container"}  # the modules that show --diff (the container's config lines)
+DIFF_MODE = {"proxmox_container", "dflash_release_tree"}  # the modules that show --diff (config lines, rendered files)
 # Every module of the collection: a new one is checked without being listed here.
 MODULES = sorted(p.stem for p in (REPO / PLUGINS.replace(".", "/") / "modules").glob("*.py")
                  if p.stem != "__init__")

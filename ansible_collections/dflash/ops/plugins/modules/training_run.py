@@ -155,13 +155,6 @@ options:
         description: Where C(dflash-resume.service) goes (and its link, under C(multi-user.target.wants)).
         type: path
         default: /etc/systemd/system
-  report_interval:
-    description:
-      - Seconds between the lines the module's action plugin prints on the controller while the call is
-        under way (a stop waiting for the checkpoint, a start waiting for idle GPUs or for O(wait_for)): the
-        host, what the call waits for and the last line of O(log_path). The module itself never sees it.
-    type: float
-    default: 30
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
@@ -335,7 +328,6 @@ ARGUMENT_SPEC = dict(
     idle_gpus=dict(type="list", elements="int"),
     idle_max_memory_mib=dict(type="int", default=100),
     idle_timeout=dict(type="float", default=60),
-    report_interval=dict(type="float", default=30),
     boot=dict(type="dict", options=dict(
         python=dict(type="path", default="/usr/bin/python3"),
         status_file=dict(type="path"),
