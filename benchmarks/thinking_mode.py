@@ -74,7 +74,8 @@ def tau_on(config: Path, eval_data: Path) -> dict:
                 "--data", str(eval_data), "--threads", "1", "--no-target-row", "--json"])
     rows = {row["name"]: row for row in json.loads(done.stdout.splitlines()[-1])["rows"]}
     return {"tau": round(rows["trained drafter"]["tau"], 3),
-            "acceptance_by_position": [round(r, 2) for r in rows["trained drafter"]["acceptance_by_position"]],
+            "acceptance_by_position": [round(r, 2)
+                                       for r in rows["trained drafter"]["acceptance_by_position"]],
             "prompt_lookup_tau": round(rows["prompt lookup"]["tau"], 3)}
 
 
@@ -97,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     minimum = 2 * base["model"]["block_size"]
     with ThreadPoolExecutor(args.jobs) as pool:
         data = dict(zip(MODES, pool.map(lambda mode: regenerate(demo, mode, out), MODES), strict=True))
-        runs = [(label(mode), mode, None) for mode in MODES] + [(f"{label(False)}-min{minimum}", False, minimum)]
+        runs = ([(label(mode), mode, None) for mode in MODES]
+                + [(f"{label(False)}-min{minimum}", False, minimum)])
         configs = list(pool.map(lambda r: train_export(base, r[0], data[r[1]], r[1], args.steps, out, r[2]),
                                 runs))
-        evals = [(config, mode, trained) for config, (_, trained, minimum_of) in zip(configs, runs, strict=True)
+        evals = [(config, mode, trained)
+                 for config, (_, trained, minimum_of) in zip(configs, runs, strict=True)
                  for mode in MODES if minimum_of is None or mode == trained]
         taus = list(pool.map(lambda e: tau_on(e[0], data[e[1]]["eval"]), evals))
     max_length = 2 * base["data"]["max_length"]

@@ -13,7 +13,8 @@ import yaml
 from module_runner import REPO, VENV_BIN
 
 PLUGINS = "ansible_collections.dflash.ops.plugins"
-DIFF_MODE = {"proxmox_container", "dflash_release_tree"}  # the modules that show --diff (config lines, rendered files)
+# the modules that show --diff (config lines, rendered files)
+DIFF_MODE = {"proxmox_container", "dflash_release_tree"}
 # Every module of the collection: a new one is checked without being listed here.
 MODULES = sorted(p.stem for p in (REPO / PLUGINS.replace(".", "/") / "modules").glob("*.py")
                  if p.stem != "__init__")

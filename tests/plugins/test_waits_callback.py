@@ -67,7 +67,8 @@ def test_each_retry_of_a_polled_wait_says_the_runs_last_log_line(tmp_path, enabl
     env = dict(os.environ, ANSIBLE_CONFIG=str(config), ANSIBLE_NOCOLOR="1",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
     res = subprocess.run([str(Path(VENV_BIN) / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                          "-e", f"ansible_python_interpreter={sys.executable}", str(play)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          "-e", f"ansible_python_interpreter={sys.executable}", str(play)],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     waits = [line for line in res.stdout.splitlines() if "still waiting; last:" in line]
     assert res.stdout.count("FAILED - RETRYING") == 2

@@ -64,7 +64,8 @@ def test_the_held_out_set_is_not_filtered(tmp_path, tiny_config):
 
 def test_a_training_whose_data_the_filter_empties_is_refused(tmp_path, tiny_config, capsys):
     data = write_rows(tmp_path / "short.jsonl", [(4, 3), (2, 15)])
-    raw = tiny_config(tmp_path / "run", data={"path": str(data), "max_length": 64, "min_loss_tokens": MINIMUM})
+    raw = tiny_config(tmp_path / "run",
+                      data={"path": str(data), "max_length": 64, "min_loss_tokens": MINIMUM})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     assert train_main(["--config", str(config)]) == 2
