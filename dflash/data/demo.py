@@ -162,53 +162,6 @@ def add_thinking_tokens(model, tokenizer) -> int:
     return trained
 
 
-def teach_thinking_block(model, tokenizer, docs: list[list[int]], first_new: int, spec: DemoSpec) -> float:
-    """Train the input rows of the new tokens alone (every other weight stays as it is, and so do the
-    answers to text without them) on corpus windows where the non-thinking block closes the current
-    line: text, the block, then the text after the next line break. Left at the mean, the rows make the
-    target answer the block with line breaks forever; taught, it starts a fresh line of code, as Qwen3
-    starts its answer after the empty block. Returns the final loss."""
-    import torch
-
-    chat = [{"role": "user", "content": ""}]
-    block = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True, enable_thinking=False)["input_ids"])
-    breaks = {i for token, i in tokenizer.get_vocab().items() if "\u010a" in token}  # byte-level "\n"
-    stream = [token for doc in docs for token in doc]
-    length = spec.train_seq_len
-    generator = torch.Generator().manual_seed(spec.seed + 1)
-    embeddings = model.get_input_embeddings().weight
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    embeddings.requires_grad_(True)
-    # Adam's update of a row whose gradient is always zero is zero: the trained rows do not move.
-    embeddings.register_hook(lambda grad: torch.cat([torch.zeros_like(grad[:first_new]), grad[first_new:]]))
-    optimizer = torch.optim.Adam([embeddings], lr=3e-2)
-    model.train()
-    loss_ema = None
-    for _ in range(max(60, spec.train_steps // 4)):
-        batch, labels = [], []
-        while len(batch) < spec.train_batch_size:
-            start = int(torch.randint(0, len(stream) - 3 * length, (1,), generator=generator))
-            cut = start + int(torch.randint(4, length // 2, (1,), generator=generator))
-            after = next((i + 1 for i in range(cut, cut + length) if stream[i] in breaks), None)
-            if after is not None:
-                row = (stream[start:cut] + block + stream[after:after + length])[:length]
-                answer = cut - start + len(block)
-                # Scored on the answer only: the rest of the window teaches the new rows nothing.
-                batch.append(row)
-                labels.append([-100] * answer + row[answer:])
-        ids = torch.tensor(batch)
-        loss = model(input_ids=ids, labels=torch.tensor(labels)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
-    embeddings.requires_grad_(False)
-    model.eval()
-    return float(loss_ema)
-
-
 def encode_corpus(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
 
@@ -404,9 +357,7 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
 
     transformers_logging.disable_progress_bar()  # its bar would go to the log as noise
     tokenizer.chat_template = CHAT_TEMPLATE
-    first_new = add_thinking_tokens(model, tokenizer)
-    block_loss = teach_thinking_block(model, tokenizer, train_docs, first_new, spec)
-    _log("demo_thinking_block", loss=round(block_loss, 4), seconds=round(time.monotonic() - started, 1))
+    add_thinking_tokens(model, tokenizer)
     model.save_pretrained(out_dir / "target")
     tokenizer.save_pretrained(out_dir / "target")
 
