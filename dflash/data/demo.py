@@ -6,12 +6,9 @@
   with its BPE tokenizer (loadable by `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`);
 - `<dir>/data/train.jsonl`, `<dir>/data/eval.jsonl`: prompts cut from the corpus with responses
   regenerated greedily by that target, `{"input_ids": [...], "loss_mask": [...]}` (1 on responses);
-- `<dir>/data/prompts.jsonl`, `<dir>/data/eval_prompts.jsonl`: the training and held-out prompts as
-  chats (`{"messages": [{"role": "user", "content": <the prompt's text>}]}`), the input of
-  `python -m dflash.data regenerate`. The demo tokenizer's chat template is the messages' text as it
-  is (the demo target continues code), then Qwen3's thinking toggle: `enable_thinking` false closes
-  an empty `<think>\n\n</think>\n\n` block (`<think>` and `</think>` are tokens of their own, as
-  in Qwen3), anything else adds nothing;
+- `<dir>/data/prompts.jsonl`: the training prompts as chats (`{"messages": [{"role": "user",
+  "content": <the prompt's text>}]}`), the input of `python -m dflash.data regenerate`. The demo
+  tokenizer's chat template is the messages' text as it is: the demo target continues code;
 - `<dir>/config.yaml`: a training config for this demo;
 - `<dir>/demo.json`: the parameters it was built with. A second call with the same parameters
   returns at once; different parameters rebuild.
@@ -32,23 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bump when the way the assets are built changes, so that stale caches rebuild.
-# 3: the thinking toggle in the chat template, its two tokens, eval_prompts.jsonl.
-ASSETS_VERSION = 3
+ASSETS_VERSION = 4  # 3 was a thinking toggle that the demo target was never taught (withdrawn)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
-THINK_TOKENS = ("<think>", "</think>")
 # The demo target is a code model without roles: a chat is its messages' text, and it continues it.
-# The generation prompt's thinking toggle is Qwen3's (Qwen/Qwen3-8B tokenizer_config.json, revision
-# 895c8d1, `add_generation_prompt`: `enable_thinking is defined and enable_thinking is false` closes an
-# empty think block), less its `<|im_start|>assistant` header: the demo has no roles.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- message['content'] }}{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 @dataclass(frozen=True)
@@ -143,23 +129,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, mask_token=MASK_TOKEN
     )
-
-
-def add_thinking_tokens(model, tokenizer) -> int:
-    """Give the tokenizer `<think>` and `</think>` (added after the BPE vocabulary, as in Qwen3) and the
-    trained target a row for each, the mean of the trained ones; returns the first new id. The mean
-    logit is never the largest, so the target never emits them and its greedy answers to text without
-    them stay what they were."""
-    import torch
-    from tokenizers import AddedToken
-
-    trained = len(tokenizer)
-    tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for token in THINK_TOKENS])
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with torch.no_grad():
-        for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
-            weight[trained:] = weight[:trained].mean(dim=0)
-    return trained
 
 
 def encode_corpus(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -313,8 +282,7 @@ def _cache_record(spec: DemoSpec) -> dict:
 def is_prepared(out_dir: Path, spec: DemoSpec) -> bool:
     marker = out_dir / "demo.json"
     required = [out_dir / "target" / "config.json", out_dir / "data" / "train.jsonl",
-                out_dir / "data" / "eval.jsonl", out_dir / "data" / "prompts.jsonl",
-                out_dir / "data" / "eval_prompts.jsonl", out_dir / "config.yaml"]
+                out_dir / "data" / "eval.jsonl", out_dir / "data" / "prompts.jsonl", out_dir / "config.yaml"]
     try:
         recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
@@ -356,9 +324,8 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its bar would go to the log as noise
-    tokenizer.chat_template = CHAT_TEMPLATE
-    add_thinking_tokens(model, tokenizer)
     model.save_pretrained(out_dir / "target")
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir / "target")
 
     rng = random.Random(spec.seed)
@@ -370,9 +337,9 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
             responses += generate_batch(model, prompts[first: first + settings.batch_size], settings,
                                         tokenizer.eos_token_id, tokenizer.pad_token_id)
         write_jsonl(out_dir / "data" / f"{name}.jsonl", prompts, responses)
-        chats = [{"messages": [{"role": "user", "content": tokenizer.decode(p)}]} for p in prompts]
-        chats_name = "prompts.jsonl" if name == "train" else f"{name}_prompts.jsonl"
-        (out_dir / "data" / chats_name).write_text("".join(json.dumps(c) + "\n" for c in chats))
+        if name == "train":
+            chats = [{"messages": [{"role": "user", "content": tokenizer.decode(p)}]} for p in prompts]
+            (out_dir / "data" / "prompts.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     config_path = write_config(out_dir, spec)
     seconds = round(time.monotonic() - started, 1)
     record = {"build": _cache_record(spec), "seconds": seconds}

@@ -46,7 +46,7 @@ def test_rows_are_the_chat_template_then_the_targets_greedy_answer(demo_dir, pro
     for row, chat in zip(written, chats, strict=True):
         messages = [m for m in chat["messages"] if m["role"] != "assistant"]
         prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True, enable_thinking=False)["input_ids"])
+                                                    return_dict=True)["input_ids"])
         n = len(prompt)
         assert row["input_ids"][:n] == prompt
         assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
@@ -60,9 +60,9 @@ def test_rows_are_the_chat_template_then_the_targets_greedy_answer(demo_dir, pro
 def test_a_second_call_skips_the_rows_done_before_a_stop(demo_dir, prompts, tmp_path):
     path, _ = prompts
     out = tmp_path / "train.jsonl"
-    # What a stop leaves: the call's record (the default mode, false, which the demo template takes), a
-    # part file with two finished rows and a line cut short.
-    parts_record_path(out).write_text(json.dumps({"format": FORMAT, "enable_thinking": False}))
+    # What a stop leaves: the call's record (the demo template has no thinking toggle: mode null), a part
+    # file with two finished rows and a line cut short.
+    parts_record_path(out).write_text(json.dumps({"format": FORMAT, "enable_thinking": None}))
     done = [{"id": i, "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]} for i in (0, 3)]
     (tmp_path / "train.jsonl.part-0").write_text("".join(json.dumps(r) + "\n" for r in done)
                                                  + '{"id": 1, "input_ids": [5,')
