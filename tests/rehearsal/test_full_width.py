@@ -51,6 +51,17 @@ def _record():
 
 
 atexit.register(_record)
+# A pipeline worker leaves with os._exit once its checkpoint is written (dflash/run/pipeline.py), which
+# runs no atexit hook: record on that path as well.
+_exit = os._exit
+
+
+def _record_and_exit(code):
+    _record()
+    _exit(code)
+
+
+os._exit = _record_and_exit
 '''
 # What a worker process holds before any model: the interpreter and the trainer's imports.
 BASELINE = '''
