@@ -37,9 +37,13 @@ def events(fleet) -> list[dict]:
     return [json.loads(line) for line in (fleet.read(200, LOG) or "").splitlines() if line.startswith("{")]
 
 
+# The wait polls every 2 s here (30 s by default: a capture takes hours, this one seconds).
+POLL = ("-e", "dflash_capture_poll=2")
+
+
 def capture(fleet, *args):
     return fleet.play("capture_features.yml", "-e", f"dflash_capture_out={CACHE}",
-                      "-e", '{"dflash_capture_args": ["--shard-mb", "1"]}', *args)
+                      "-e", '{"dflash_capture_args": ["--shard-mb", "1"]}', *POLL, *args)
 
 
 # Under make test-reliability only: 3 min; make test keeps the capture's stop and resume
@@ -81,7 +85,7 @@ def test_a_capture_stops_at_a_shard_boundary_resumes_and_a_release_trains_from_i
 
 
 def test_a_capture_that_cannot_start_fails_with_its_log(fleet):
-    res = fleet.play("capture_features.yml", "-e", "dflash_capture_out=/root/features-too-big",
+    res = fleet.play("capture_features.yml", "-e", "dflash_capture_out=/root/features-too-big", *POLL,
                      "-e", '{"dflash_release_environment": {"DFLASH_TEST_FREE_BYTES": "1000"}}')
     assert res.rc != 0
     assert "ended without finishing /root/features-too-big" in res.messages()

@@ -4,8 +4,8 @@ has and what dflash's own loader reads. Check mode and the refusals (no checkpoi
 does not have, a step it is still writing, a bad variable, a different copy on the controller) change
 nothing, and the run is never touched.
 
-The tests share one fleet (pve1, CT 200) and each makes the state it needs: a run training (its
-checkpoints saved every 5 s, the latest 2 kept) or stopped (`ensure_running`, `ensure_stopped`).
+The tests share one fleet (pve1, CT 200) and each makes the state it needs: a run training (a
+checkpoint every run.save_every steps, the latest 2 kept) or stopped (`ensure_running`, `ensure_stopped`).
 """
 
 import base64
@@ -16,11 +16,12 @@ import subprocess
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load as load_safetensors
 
 from dflash.data.target import load_target
 from dflash.serve.export import load_export
-from pvesim.fleet import Fleet
+from pvesim.fleet import REPO, Fleet
 from tests.reliability.input_support import shown
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -28,6 +29,9 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 EXPORT_TASK = "Ensure the run's checkpoint is exported and on the controller, each file checked."
 OUTPUT = "/var/lib/dflash/runs/main"
 EXPORTS = f"{OUTPUT}/exports"
+# The sim inventory's run: a checkpoint every SAVE_EVERY steps.
+SAVE_EVERY = yaml.safe_load((REPO / "inventory/sim/group_vars/training_containers.yml").read_text())[
+    "dflash_release_settings"]["run"]["save_every"]
 FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "drafter.py", "README.md", "SHA256SUMS"}
 
 
@@ -90,7 +94,7 @@ def test_export_copies_the_latest_checkpoint_with_the_containers_checksums_and_l
     step = result["step"]
     dest = tmp_path / "ct200" / f"step-{step:08d}"
     assert result["dest"] == str(dest) and result["dir"] == f"{EXPORTS}/step-{step:08d}"
-    assert result["changed"] and step > 0 and step % 10 == 0  # a checkpoint the run saved (save_every 10)
+    assert result["changed"] and step > 0 and step % SAVE_EVERY == 0  # a checkpoint the run saved
     # Every file of the export, each with the sha256 it has in the container; SHA256SUMS agrees.
     copied = controller_checksums(dest)
     assert set(copied) == FILES
@@ -108,9 +112,10 @@ def test_export_copies_the_latest_checkpoint_with_the_containers_checksums_and_l
     assert all(torch.equal(loaded[name], tensor.to(loaded[name].dtype)) for name, tensor in weights.items())
     assert running_pid(fleet) == pid  # the run went on
 
-    # Again for that step, after the run has removed its checkpoint (it keeps 2, every 5 s): the export
-    # kept in the container and the copy on the controller are the same, so nothing changes.
-    fleet.wait_for_status(200, lambda s: s.get("step", 0) >= step + 30, what="two more checkpoints")
+    # Again for that step, after the run has removed its checkpoint (it keeps 2): the export kept in the
+    # container and the copy on the controller are the same, so nothing changes.
+    fleet.wait_for_status(200, lambda s: s.get("step", 0) >= step + 3 * SAVE_EVERY,
+                          what="two more checkpoints")
     res, again = export(fleet, tmp_path, "-e", f"dflash_run_export_step={step}")
     assert res.rc == 0, res
     assert res.stats["ct200"]["changed"] == 0 and again["exported"] is False and again["fetched"] == []

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,38 @@ def test_module_defaults_reach_the_pct_modules_through_their_action_group(instal
                    "-e", f"ansible_python_interpreter={sys.executable}", "group.yml")
     assert res.returncode != 0
     assert "/nonexistent/bin/pct is missing on node" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_execution_environment_builds_its_context_and_installs_the_collection_with_its_packages(
+        installed, tmp_path):
+    """execution-environment.yml as ansible-builder reads it: `ansible-builder create` writes the build
+    context (schema checked) with the artifact in it; the context's own galaxy stage (its requirements.yml,
+    in its /build) installs the collection, and the builder stage's introspect.py finds the collection's
+    Python packages, the pins of pyproject.toml's [controller] extra. The image build itself needs podman
+    and the network (the base image, Galaxy for community.proxmox); here the galaxy stage runs --offline."""
+    (tmp_path / "ee").mkdir()
+    shutil.copy(REPO / "execution-environment.yml", tmp_path)
+    shutil.copy(installed.artifact, tmp_path / "ee")
+    context = tmp_path / "context"
+    res = subprocess.run([str(VENV_BIN / "ansible-builder"), "create", "-f", "execution-environment.yml",
+                          "-c", str(context)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    build = context / "_build"
+    assert (build / "collections" / installed.artifact.name).read_bytes() == installed.artifact.read_bytes()
+    collections = tmp_path / "usr-share-ansible"
+    (tmp_path / "ansible.cfg").write_text(f"[defaults]\ncollections_path = {collections}\n")
+    env = {**installed.env, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg")}
+    stage = subprocess.run([str(VENV_BIN / "ansible-galaxy"), "collection", "install", "--offline", "-r",
+                            "requirements.yml", "--collections-path", str(collections)], cwd=build,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert stage.returncode == 0, stage.stdout + stage.stderr
+    found = subprocess.run([sys.executable, str(build / "scripts" / "introspect.py"), "introspect",
+                            str(collections)], capture_output=True, text=True, timeout=60, check=True)
+    python = {line.split("#")[0].strip() for line in yaml.safe_load(found.stdout)["python"]
+              if line.endswith("# from collection dflash.ops")}
+    controller = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "controller"]
+    assert python == {r for r in controller if not r.startswith("ansible-core")}, found.stdout
 
 
 @pytest.mark.sim
