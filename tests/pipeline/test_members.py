@@ -1,5 +1,8 @@
 """A run across two members (two torchrun "containers" as processes on 127.0.0.1, 1 drafter + 1
-target each, joined by a c10d rendezvous) trains as the single-member 2 + 2 run does."""
+target each, joined by a c10d rendezvous) trains as the single-member 2 + 2 run does.
+
+Under make test-reliability only (1.5 min of four trainer processes): make test keeps a run across two
+containers deployed, training and shown as one through the playbooks (tests/roles/test_run_members.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.reliability_full
 def test_two_members_train_as_one_run_and_resume_from_their_own_checkpoints(write_config, start_run):
     reference = start_run(write_config("reference", optim={"total_steps": STEPS}, pipeline=ONE_MEMBER))
     assert reference.wait(timeout=240) == 0, reference.log_path.read_text()[-3000:]

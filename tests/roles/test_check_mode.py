@@ -69,6 +69,9 @@ def test_deploy_in_check_mode_reports_the_new_release_and_the_restart_and_change
     assert state(fleet) == before
 
 
+# Under make test-reliability only (20 s each): make test keeps the deploy's, the stop's and --diff's; a
+# restart and a rollback in check mode run the same reports (the start's, the switch's).
+@pytest.mark.reliability_full
 def test_restart_in_check_mode_reports_the_stop_and_start_and_changes_nothing(fleet):
     before = state(fleet)
     res = fleet.play("restart_training.yml", *CHECK)
@@ -88,6 +91,7 @@ def test_stop_in_check_mode_reports_the_stop_and_stops_nothing(fleet):
     assert state(fleet) == before
 
 
+@pytest.mark.reliability_full
 def test_rollback_in_check_mode_reports_the_switch_and_the_restart_and_changes_nothing(fleet):
     before = state(fleet)
     res = fleet.play("rollback.yml", *CHECK)

@@ -142,15 +142,19 @@ def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_chang
 
 
 def test_the_first_deploy_with_a_secret_starts_the_run_and_never_shows_the_secret(example):
-    res = play(example, "deploy.yml", "-v", "-e", SECRETS)
+    res = play(example, "deploy.yml", "-vvv", "-e", SECRETS)
     assert res.rc == 0, res
-    assert SECRET not in res.stdout
+    assert SECRET not in res.stdout + res.stderr
     run = res.results(START_TASK)[f"ct{VMID}"]
     assert run["changed"] and run["pid"], run
     # The run has the secret in its environment, from a file only root reads.
     assert ct(example, "stat -c %U:%a /var/lib/dflash/main.env").stdout == "root:600\n"
     environ = ct(example, f"tr '\\0' '\\n' < /proc/{run['pid']}/environ").stdout.splitlines()
     assert f"HF_TOKEN={SECRET}" in environ
+    # And nowhere else in the container: not the run's log, its pidfile, its outputs or the release.
+    leaks = ct(example, f"grep -rl {SECRET} /var/log/dflash /opt/dflash /var/lib/dflash/main.pid "
+                        "/var/lib/dflash/runs").stdout.split()
+    assert leaks == []
     # It trains the model of the node's read-only mount.
     config = ct(example, "cat /opt/dflash/current/config.yaml").stdout
     assert "/srv/models/tiny-demo" in config

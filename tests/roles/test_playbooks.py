@@ -247,6 +247,9 @@ def test_rollback_goes_back_to_the_previous_release_and_restarts(fleet):
     assert info["pid"] != before["pid"] and info["argv"] == [f"{back}/run.sh"]
 
 
+# Under make test-reliability only (1.5 min: a restart at -vvv): make test keeps the same checks on the
+# first deploy with a secret (test_example_inventory.py).
+@pytest.mark.reliability_full
 def test_secrets_reach_the_run_and_nothing_else(fleet):
     ensure_running(fleet, 203)
     token = "hf_test_token_5d41402abc4b2a76"

@@ -17,7 +17,10 @@ import pytest
 from pvesim import node
 from pvesim.fleet import Fleet
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only (2 min, a sim of its own): make test keeps deploy, restart, status and
+# stop as a node user through sudo with the narrow rule (test_narrow_sudo.py) and with production's rule
+# from the example inventory (test_example_inventory.py).
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 USER = "ansible"
 LOGIN = re.compile(r"Accepted publickey for (\S+) from")

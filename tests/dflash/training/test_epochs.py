@@ -150,7 +150,9 @@ def test_a_resume_whose_data_derives_other_steps_is_refused_and_the_same_data_re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafters", [2, 3])
+# 3 drafters under make test-reliability only (half a minute): make test keeps 2, and every layout's
+# derived steps through test_load_config_derives_the_steps_of_each_layout.
+@pytest.mark.parametrize("drafters", [2, pytest.param(3, marks=pytest.mark.reliability_full)])
 def test_a_pipeline_of_d_drafters_takes_d_batches_a_step_and_stops_at_the_derived_steps(
         tiny_config, tmp_path, drafters):
     out = tmp_path / "run"

@@ -37,7 +37,9 @@ def documents(seed: int) -> list[list[tuple[list[int], list[int]]]]:
     return [[doc(30, 6), doc(18, 4)], [doc(40, 10)], [doc(22, 5, scored=False), doc(12, 3, scored=False)]]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 3 drafters under make test-reliability only (half a minute of three trainer processes): make test
+# keeps 2.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.reliability_full)])
 def test_the_drafters_gradient_is_one_process_on_the_whole_batch(world, tiny_config, tmp_path):
     raw = tiny_config(tmp_path / "run", data={"max_anchors": 512}, optim={"max_grad_norm": 1.0e9})
     cfg = config_from_dict(raw)
