@@ -308,6 +308,27 @@ def test_wait_for_returns_once_the_run_logs_progress(run):
     run.processes.track(result["pid"])
 
 
+def test_a_start_hands_a_slow_wait_over_to_a_status_that_reports_it(run):
+    """wait_return_after: the start returns unmatched with the log's offset, and a status with wait_for from
+    that offset says how far the run got (its last line) until the step, then that step's line."""
+    run.log.parent.mkdir(parents=True, exist_ok=True)
+    run.log.write_text('{"event": "step", "step": 99}\n')  # an earlier run's step: not this run's
+    result = run.start("--step-after", "4", wait_for=r'"event": *"step"', wait_timeout=60,
+                       wait_return_after=1)
+    assert result["matched"] is False and result["status"] == "running", result
+    assert result["log_offset"] >= len('{"event": "step", "step": 99}\n') and result["startup_seconds"] < 4
+    waiting, rc = run.call(state="status", wait_for=r'"event": *"step"', log_offset=result["log_offset"])
+    assert rc == 0 and waiting["matched"] is False and waiting["progress"].startswith("fake run "), waiting
+    assert wait_for(lambda: run.call(state="status", wait_for='"step"', log_offset=result["log_offset"])[0][
+        "matched"], timeout=30)
+    done, _ = run.call(state="status", wait_for='"step"', log_offset=result["log_offset"])
+    assert done["progress"] == '{"event": "step", "step": 1}', done
+    # Without wait_return_after the call waits for the step itself, as before.
+    again, rc = run.call(state="restarted", command=[sys.executable, FAKE_RUN, "--step-after", "1"],
+                         wait_for='"step"', wait_timeout=30)
+    assert rc == 0 and again["matched"] is True and again["progress"] == '{"event": "step", "step": 1}'
+
+
 def test_wait_for_fails_with_the_log_when_the_run_dies(run):
     result, rc = run.call(command=[sys.executable, FAKE_RUN, "--exit-at-once", "2"], wait_for="step")
     assert rc == 1 and "exited with code 2" in result["msg"]

@@ -1,6 +1,9 @@
 """deploy.yml's phases as tags (its header): -t preflight and -t verify change nothing, -t release makes a
 new release live while the run keeps its process, -t verify then fails naming the restart, and -t restart
-moves the run onto the live release without shipping anything. The tests share one fleet, in order."""
+moves the run onto the live release without shipping anything. And a start's wait for its first step
+says how far the run got at each poll. The tests share one fleet, in order."""
+
+import json
 
 import pytest
 
@@ -14,6 +17,7 @@ NODE_TASK = "Check the container on its Proxmox node."
 RELEASE_TASK = "Ensure the release is live in the container (unpacked and validated before the switch)."
 VERIFY_TASK = "Fail clearly when the run is not up on the live release."
 START_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
+WAIT_TASK = "Wait for the run's first training step."
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +81,16 @@ def test_restart_alone_moves_the_run_onto_the_live_release_and_ships_nothing(fle
     assert (after["release"], after["releases"]) == (before["release"], before["releases"])
     verify = fleet.play("deploy.yml", "-t", "verify")
     assert verify.rc == 0, verify
+
+
+def test_a_first_step_slower_than_the_poll_is_waited_for_with_a_line_at_each_poll(fleet):
+    """dflash_run_progress_poll 1 s (30 by default) and no settling: the start's call hands the wait over
+    to the polled status, which prints the run's last log line (dflash.ops.waits) until the step."""
+    fast = {"dflash_run_progress_poll": 1, "dflash_run_settle_seconds": 0}
+    res = fleet.play("restart_training.yml", "-e", json.dumps(fast))
+    assert res.rc == 0, res
+    started, waited = res.results(START_TASK)[HOST], res.results(WAIT_TASK)[HOST]
+    assert started["matched"] is False and waited["matched"] is True, (started, waited)
+    assert json.loads(waited["progress"])["event"] == "step", waited
+    assert f"{HOST}: still waiting; last: " in res.stdout, res.stdout[-3000:]
+    assert fleet.alive(VMID, started["pid"])

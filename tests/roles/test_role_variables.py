@@ -58,7 +58,8 @@ def runs_a_role(tasks):
             if action in task and task[action].get("tasks_from") != "variables":
                 return True
         for action in ("ansible.builtin.import_tasks", "ansible.builtin.include_tasks"):
-            if str(task.get(action, "")).startswith("tasks/"):
+            target = task.get(action, "")
+            if str(target.get("file", "") if isinstance(target, dict) else target).startswith("tasks/"):
                 return True
     return False
 

@@ -151,10 +151,17 @@ class LogWatcher:
                 break
         return self.match
 
+    @property
+    def line_offset(self):
+        """Where the first line not yet read whole starts: a later watcher resumes from here."""
+        return self.offset - len(self.pending)
+
 
 def start_run(params, env):
     """Spawn the run and write its pidfile; then wait until it has lived `startup_wait` seconds
-    and, with `wait_for`, until its log shows a matching line (at most `wait_timeout` seconds)."""
+    and, with `wait_for`, until its log shows a matching line (at most `wait_timeout` seconds). With
+    `wait_return_after`, a live run that has not matched by then is returned unmatched (`matched` false,
+    `log_offset` where a status with `wait_for` goes on looking)."""
     for path in (params["pidfile"], params["log_path"]):
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
     began = time.monotonic()
@@ -171,10 +178,13 @@ def start_run(params, env):
     write_pidfile(params["pidfile"], record)
     alive_until = began + params["startup_wait"]
     give_up = began + max(params["startup_wait"], params["wait_timeout"] if watcher.pattern else 0)
+    hand_over = began + max(params["startup_wait"], params.get("wait_return_after") or 0)
     while child.poll() is None:
         now = time.monotonic()
         if now >= alive_until and (watcher.poll() is not None or watcher.pattern is None):
             break
+        if params.get("wait_return_after") and now >= hand_over and now < give_up:
+            break  # still unmatched: the caller polls a status with wait_for from log_offset
         if now >= give_up:
             tail = log_tail(params["log_path"])
             raise RunError(f"run pid {child.pid} logged nothing matching {params['wait_for']!r} within "
@@ -187,8 +197,13 @@ def start_run(params, env):
         raise RunError(f"run exited with code {child.returncode} {time.monotonic() - began:.1f}s after "
                        f"starting. Its log ({params['log_path']}) ends with:\n{last_lines(tail)}",
                        log_tail=tail)
-    return record, dict(startup_seconds=round(time.monotonic() - began, 2), log_offset=watcher.offset,
-                        progress=watcher.match)
+    return record, dict(startup_seconds=round(time.monotonic() - began, 2), log_offset=watcher.line_offset,
+                        progress=watcher.match, matched=watcher.pattern is None or watcher.match is not None)
+
+
+def log_match(path, offset, pattern):
+    """The first line of the log at `path` after byte `offset` that matches `pattern`, or None."""
+    return LogWatcher(path, offset, pattern).poll()
 
 
 RUN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -95,6 +95,19 @@ options:
     description: Seconds O(wait_for) may take.
     type: float
     default: 300
+  wait_return_after:
+    description:
+      - With O(wait_for), a start returns after this many seconds if the run lives and has not matched yet,
+        with RV(matched) false and RV(log_offset), instead of waiting the whole O(wait_timeout) in one call;
+        the caller then polls V(status) with the same O(wait_for) and O(log_offset), a task that says how
+        far the run got at each retry. V(0) (default) waits the whole O(wait_timeout) in the call.
+    type: float
+    default: 0
+  log_offset:
+    description:
+      - With V(status) and O(wait_for), where in O(log_path) to look from (a start's RV(log_offset)); the
+        result's RV(matched) says whether a line after it matches O(wait_for).
+    type: int
   expect_pid:
     description:
       - The pid of the run the caller inspected earlier, or V(0) for no run. If a live run with
@@ -255,10 +268,20 @@ startup_seconds:
   returned: after a start
   type: float
 progress:
-  description: The log line that matched O(wait_for); with V(status) of a live run, the last line of
-    O(log_path) (how far it got, for a task that polls it).
+  description: The log line that matched O(wait_for); with V(status) of a live run, that line (with
+    O(wait_for) and O(log_offset), once matched) or else the last line of O(log_path) (how far it got, for
+    a task that polls it).
   returned: after a start with O(wait_for); with V(status), O(log_path) and a live run
   type: str
+matched:
+  description: Whether the run logged a line matching O(wait_for) (after a start; with V(status), after
+    O(log_offset)). A start is only unmatched with O(wait_return_after).
+  returned: after a start; with V(status), O(wait_for), O(log_offset) and a live run
+  type: bool
+log_offset:
+  description: Where in O(log_path) a status with O(wait_for) goes on looking after a start.
+  returned: after a start
+  type: int
 log_tail:
   description: End of O(log_path) when the run died at start or did not match O(wait_for), or, with
     V(status), when the pidfile is stale (the run ended without a stop; it finished, failed or died).
@@ -300,6 +323,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
     last_lines,
+    log_match,
     log_refusal,
     log_tail,
     preflight,
@@ -323,6 +347,8 @@ ARGUMENT_SPEC = dict(
     startup_wait=dict(type="float", default=1),
     wait_for=dict(type="str"),
     wait_timeout=dict(type="float", default=300),
+    wait_return_after=dict(type="float", default=0),
+    log_offset=dict(type="int"),
     expect_pid=dict(type="int"),
     environment_file=dict(type="path"),
     idle_gpus=dict(type="list", elements="int"),
@@ -389,8 +415,13 @@ def apply_state(module, env):
         extra = {key: value for key, value in (("pidfile_unsafe", unsafe),
                                                ("log_unsafe", log_refusal(params["log_path"]))) if value}
         if verdict == "live":
+            found = None
+            if params["wait_for"] and params["log_offset"] is not None:
+                found = log_match(params["log_path"], params["log_offset"], params["wait_for"])
+                extra["matched"] = found is not None
             if params["log_path"]:
-                extra["progress"] = last_lines(log_tail(params["log_path"], limit=PROGRESS_BYTES), count=1)
+                extra["progress"] = found or last_lines(log_tail(params["log_path"], limit=PROGRESS_BYTES),
+                                                        count=1)
             return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
         if verdict not in ("absent", "live"):  # it ended without a stop: finished, failed or died
             extra["log_tail"] = log_tail(params["log_path"])
@@ -454,11 +485,14 @@ def main():
     name = params["name"]
     if not is_plain_file_name(name):
         module.fail_json(msg=f"name {name!r} must be {PLAIN_FILE_NAME}")
-    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout", "idle_timeout"):
+    for key in ("stop_timeout", "kill_timeout", "startup_wait", "wait_timeout", "wait_return_after",
+                "idle_timeout"):
         if params[key] < 0:
             module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
     if any(index < 0 for index in params["idle_gpus"] or ()):
         module.fail_json(msg=f"idle_gpus must be GPU indices >= 0, got {params['idle_gpus']}")
+    if params["log_offset"] is not None and params["log_offset"] < 0:
+        module.fail_json(msg=f"log_offset must be a byte offset >= 0, got {params['log_offset']}")
     if params["expect_pid"] is not None and params["expect_pid"] < 0:
         module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
     if params["wait_for"]:
