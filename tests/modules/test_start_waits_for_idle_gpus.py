@@ -33,7 +33,9 @@ def test_gpus_that_stay_busy_start_nothing_and_say_what_holds_them(tmp_path, pro
     assert rc != 0 and result["status"] == "stopped" and not run.pidfile.exists(), result
     assert "GPUs [0, 1] are not idle, so the run was not started" in result["msg"], result["msg"]
     assert "GPU 0 is busy: 1 compute process(es) [81234]" in result["msg"]
-    assert result["gpu_idle"]["polls"] >= 2 and not result["gpu_idle"]["met"]
+    # It waited the whole idle_timeout (polls: as many as fit in it, one on a loaded machine).
+    assert result["gpu_idle"]["seconds"] >= 1 and result["gpu_idle"]["polls"] >= 1, result["gpu_idle"]
+    assert not result["gpu_idle"]["met"]
 
 
 def test_a_restart_stops_checks_the_gpus_and_starts_in_one_call(tmp_path, processes):
