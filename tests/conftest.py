@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(config, items):
     skip_serve = pytest.mark.skip(reason="heavy (vLLM engines): runs under `make serve-check` (-m serve)")
     skip_rehearsal = pytest.mark.skip(reason="heavy (Qwen3-8B's width, GiBs): runs under `make rehearsal`")
     selected = config.getoption("markexpr") or ""
+    # The playbook files first (each deploys fleets of its own: the longest), then the other files that
+    # use sims, then the other slow ones, then the rest, each file's tests in their order: xdist hands
+    # whole files (--dist loadfile) to whichever worker is free, so the long ones start early and the
+    # short ones fill the end instead of one long file running on alone.
+    order = {}
+    for item in items:
+        sim = item.get_closest_marker("sim")
+        weight = (0 if sim and item.path.parent.name == "roles" else 1 if sim
+                  else 2 if item.get_closest_marker("slow") else 3)
+        order[item.path] = min(order.get(item.path, 3), weight)
+    items.sort(key=lambda item: order[item.path])  # stable: a file's tests keep their order
     for item in items:
         if not FULL and item.get_closest_marker("reliability_full"):
             item.add_marker(skip_full)

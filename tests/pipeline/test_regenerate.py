@@ -77,7 +77,10 @@ def test_a_second_call_skips_the_rows_done_before_a_stop(demo_dir, prompts, tmp_
     assert again["generated"] == 0 and rows(out) == written
 
 
+# Under make test-reliability only (a minute of two target replicas): make test keeps the replicas'
+# split of the work through the feature cache's (tests/dflash/data/test_feature_cache.py).
 @pytest.mark.slow
+@pytest.mark.reliability_full
 def test_two_replicas_write_what_one_writes(demo_dir, prompts, tmp_path):
     path, _ = prompts
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"

@@ -207,8 +207,7 @@ CASES = [
          words=("run: unknown key(s) save_evry", "Fix dflash_release_settings.run")),
     Case("A wrong type in the training config", RESTART,
          CT200 + extra(dflash_release_settings={"data": {"batch_size": "four"}}),
-         words=("data.batch_size: expected int, got 'four'", "Fix dflash_release_settings.data.batch_size"),
-         fast=True),
+         words=("data.batch_size: expected int, got 'four'", "Fix dflash_release_settings.data.batch_size")),
     # The demo target's generation_config.json has eos_token_id 0 and pad_token_id 1; its embedding 384 rows.
     Case("A mask token id equal to the target's eos", RESTART, CT200 + mask_token(0),
          words=("model.mask_token_id: 0 is the target's generation_config.json eos_token_id",

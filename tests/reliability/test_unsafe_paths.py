@@ -9,7 +9,9 @@ import pytest
 
 from tests.reliability.stops_support import LOG, ensure_runs, live_run
 
-pytestmark = [pytest.mark.sim, pytest.mark.slow]
+# Under make test-reliability only (1.5 min): make test keeps the module's refusals of a symlinked log,
+# pidfile, secrets file and lock (tests/modules/test_training_run_files.py).
+pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 VMID = 203
 ROOTS_FILE = "/etc/dflash-probe.conf"

@@ -1,6 +1,11 @@
 """`--check --diff` of deploy.yml, restart_training.yml, stop_training.yml and rollback.yml on a deployed
 fleet: each runs to the end, says what it would change (a new release, a restart, a stop, a rollback) and
-changes nothing: the run's pid and pidfile, the releases, `current` and `previous` are the same after."""
+changes nothing: the run's pid and pidfile, the releases, `current` and `previous` are the same after.
+
+Then, on the same fleet, deploy.yml's phases as tags (its header): -t preflight and -t verify change
+nothing, -t release makes a new release live while the run keeps its process, -t verify then fails naming
+the restart, and -t restart moves the run onto the live release without shipping anything; and a start's
+wait for its first step says how far the run got at each poll. The tests run in order."""
 
 import json
 
@@ -120,3 +125,78 @@ def test_deploy_diff_shows_the_rendered_config_change_of_a_settings_key(fleet):
                 == {k: v for k, v in new.items() if k != "optim"})
     assert "+++ after: /opt/dflash/releases/" in res.stdout
     assert state(fleet) == before
+
+
+# deploy.yml's phases (tags) and the start's polled wait, on CT 200.
+VMID = 200
+HOST = f"ct{VMID}"
+NODE_TASK = "Check the container on its Proxmox node."
+VERIFY_TASK = "Fail clearly when the run is not up on the live release."
+WAIT_TASK = "Wait for the run's first training step."
+
+
+def phase_state(fleet):
+    info = fleet.run_info(VMID)
+    return {"pid": info["pid"], "alive": fleet.alive(VMID, info["pid"]), "release": fleet.live_release(VMID),
+            "releases": fleet.ct(VMID, "ls /opt/dflash/releases").stdout.split()}
+
+
+def ran(res):
+    """The names of the tasks that ran (not skipped) on the container."""
+    return {task.name.rsplit(" : ", 1)[-1] for task in res.tasks
+            if HOST in task.hosts and not task.hosts[HOST].get("skipped")}
+
+
+def test_preflight_and_verify_alone_check_and_change_nothing(fleet):
+    before = phase_state(fleet)
+    assert before["alive"], before
+    change_code(fleet.src, "pending")  # a release -t preflight and -t verify must not ship
+    preflight = fleet.play("deploy.yml", "-t", "preflight")
+    assert preflight.rc == 0, preflight
+    assert NODE_TASK in ran(preflight) and RELEASE_TASK not in ran(preflight), ran(preflight)
+    verify = fleet.play("deploy.yml", "-t", "verify")
+    assert verify.rc == 0, verify
+    assert VERIFY_TASK in ran(verify) and {NODE_TASK, RELEASE_TASK, RESTART_TASK}.isdisjoint(ran(verify))
+    assert verify.stats[HOST]["changed"] == preflight.stats[HOST]["changed"] == 0
+    assert phase_state(fleet) == before
+
+
+def test_release_alone_makes_it_live_and_leaves_the_run_on_its_process(fleet):
+    before = phase_state(fleet)
+    res = fleet.play("deploy.yml", "-t", "release")
+    assert res.rc == 0, res
+    assert res.results(RELEASE_TASK)[HOST]["changed"] and RESTART_TASK not in ran(res)
+    after = phase_state(fleet)
+    assert after["release"] != before["release"]
+    assert (after["pid"], after["alive"]) == (before["pid"], True)
+    # The run now runs another release than the live one: -t verify says so, and how to fix it.
+    verify = fleet.play("deploy.yml", "-t", "verify")
+    assert verify.rc != 0
+    message = verify.results(VERIFY_TASK)[HOST]["msg"]
+    live = after["release"].rsplit("/", 1)[-1]
+    assert "restart_training.yml -l ct200" in message and live in message, message
+
+
+def test_restart_alone_moves_the_run_onto_the_live_release_and_ships_nothing(fleet):
+    before = phase_state(fleet)
+    res = fleet.play("deploy.yml", "-t", "restart")
+    assert res.rc == 0, res
+    assert RELEASE_TASK not in ran(res) and res.results(RESTART_TASK)[HOST]["changed"]
+    after = phase_state(fleet)
+    assert after["pid"] != before["pid"] and after["alive"]
+    assert (after["release"], after["releases"]) == (before["release"], before["releases"])
+    verify = fleet.play("deploy.yml", "-t", "verify")
+    assert verify.rc == 0, verify
+
+
+def test_a_first_step_slower_than_the_poll_is_waited_for_with_a_line_at_each_poll(fleet):
+    """dflash_run_progress_poll 1 s (30 by default) and no settling: the start's call hands the wait over
+    to the polled status, which prints the run's last log line (dflash.ops.waits) until the step."""
+    fast = {"dflash_run_progress_poll": 1, "dflash_run_settle_seconds": 0}
+    res = fleet.play("restart_training.yml", "-e", json.dumps(fast))
+    assert res.rc == 0, res
+    started, waited = res.results(RESTART_TASK)[HOST], res.results(WAIT_TASK)[HOST]
+    assert started["matched"] is False and waited["matched"] is True, (started, waited)
+    assert json.loads(waited["progress"])["event"] == "step", waited
+    assert f"{HOST}: still waiting; last: " in res.stdout, res.stdout[-3000:]
+    assert fleet.alive(VMID, started["pid"])

@@ -122,6 +122,9 @@ def test_export_copies_the_latest_checkpoint_with_the_containers_checksums_and_l
     assert controller_checksums(dest) == copied
 
 
+# Under make test-reliability only (half a minute): make test keeps check mode's promise through
+# test_check_mode.py's playbooks.
+@pytest.mark.reliability_full
 def test_check_mode_names_the_checkpoint_and_writes_nothing(fleet, tmp_path):
     pid = ensure_running(fleet)
     before = container_checksums(fleet, EXPORTS)

@@ -207,6 +207,9 @@ def test_a_failed_container_stops_the_rollout_and_leaves_the_rest_as_they_were(f
         fleet.start_container(200)  # its boot starts the run again (dflash-resume)
 
 
+# Under make test-reliability only (half a minute): make test keeps the table's rendering
+# (test_status_table.py) and a status through the playbook (test_example_inventory.py).
+@pytest.mark.reliability_full
 def test_status_shows_one_table_for_the_fleet(fleet):
     ensure_running(fleet, 201, 202, 203)
     ensure_died(fleet, 200)
@@ -273,6 +276,9 @@ def test_secrets_reach_the_run_and_nothing_else(fleet):
     assert leaks == []
 
 
+# Under make test-reliability only (half a minute): make test keeps a stop with its checkpoint through
+# the playbook in test_example_inventory.py and test_narrow_sudo.py.
+@pytest.mark.reliability_full
 def test_stop_training_checkpoints_and_frees_the_gpus(fleet):
     ensure_running(fleet, 202)
     before = fleet.run_info(202)

@@ -82,6 +82,9 @@ def test_the_container_sees_the_node_files_and_the_read_only_mount_refuses_write
     assert again.rc == 0 and again.stats[HOST]["changed"] == 0, again
 
 
+# Under make test-reliability only (half a minute): make test keeps the reconciliation of the other keys
+# (test_provision.py) and the mounts' creation (the test above, test_example_inventory.py).
+@pytest.mark.reliability_full
 def test_a_changed_mount_is_reported_then_reconciled(fleet):
     changed = mounts(fleet, models_ro=False, cache_at="/srv/features")
     before = config_lines(fleet)

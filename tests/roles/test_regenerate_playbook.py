@@ -45,6 +45,9 @@ def test_regenerate_writes_the_targets_answers_in_the_container(fleet):
     assert not fleet.alive(200, json.loads(fleet.read(200, "/var/lib/dflash/regenerate.pid"))["pid"])
 
 
+# Under make test-reliability only: make test keeps the same failure path of a capture that cannot start
+# (test_capture_playbook.py), the same playbook shape.
+@pytest.mark.reliability_full
 def test_a_regeneration_that_cannot_finish_fails_with_its_log(fleet):
     res = fleet.play("regenerate_data.yml", "-e", "dflash_regenerate_prompts=/srv/missing-prompts.jsonl",
                      "-e", f"dflash_regenerate_out={OUT}.bad")
