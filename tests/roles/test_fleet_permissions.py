@@ -24,9 +24,6 @@ def fleet(tmp_path_factory):
     f.down()
 
 
-# Under make test-reliability only: make test keeps a release made live with the run left alone through
-# deploy.yml -t release (test_check_mode.py).
-@pytest.mark.reliability_full
 def test_deploy_without_start_makes_the_release_live_and_starts_nothing(fleet):
     res = fleet.play("deploy.yml", *NO_START)
     assert res.rc == 0, res
