@@ -6,9 +6,11 @@
   with its BPE tokenizer (loadable by `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`);
 - `<dir>/data/train.jsonl`, `<dir>/data/eval.jsonl`: prompts cut from the corpus with responses
   regenerated greedily by that target, `{"input_ids": [...], "loss_mask": [...]}` (1 on responses);
-- `<dir>/data/prompts.jsonl`: the training prompts as chats (`{"messages": [{"role": "user",
-  "content": <the prompt's text>}]}`), the input of `python -m dflash.data regenerate`. The demo
-  tokenizer's chat template is the messages' text as it is: the demo target continues code;
+- `<dir>/data/prompts.jsonl` and `<dir>/data/eval_prompts.jsonl`: the training and the held-out
+  prompts as chats (`{"messages": [{"role": "user", "content": <the prompt's text>}]}`), the input of
+  `python -m dflash.data regenerate`. The demo tokenizer's chat template is the messages' text as it
+  is: the demo target continues code. The `thinking` presets teach it Qwen3's two chat modes instead
+  (`dflash.data.demo_thinking`), and their rows are the non-thinking mode's answers;
 - `<dir>/config.yaml`: a training config for this demo;
 - `<dir>/demo.json`: the parameters it was built with. A second call with the same parameters
   returns at once; different parameters rebuild.
@@ -28,8 +30,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.data.demo_thinking import CHAT_TEMPLATE as THINKING_CHAT_TEMPLATE
+from dflash.data.demo_thinking import THINK_CLOSE, THINK_OPEN, line_prompt, with_think_blocks
+
 # Bump when the way the assets are built changes, so that stale caches rebuild.
-ASSETS_VERSION = 4  # 3 was a thinking toggle that the demo target was never taught (withdrawn)
+ASSETS_VERSION = 5  # 3 was a thinking toggle that the demo target was never taught (withdrawn)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
@@ -58,11 +63,12 @@ class DemoSpec:
     prompt_len: int = 48
     response_len: int = 64
     seed: int = 0
+    thinking: bool = False  # taught Qwen3's two chat modes (dflash.data.demo_thinking)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "seed" and not value > 0:
+            if field.name not in ("seed", "thinking") and not value > 0:
                 raise ValueError(f"demo: {field.name} must be positive, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"demo: hidden_size {self.hidden_size} is not a multiple of num_heads")
@@ -70,17 +76,21 @@ class DemoSpec:
             raise ValueError(f"demo: num_heads {self.num_heads} is not a multiple of num_kv_heads")
 
 
+# For tests: a few seconds.
+TINY = DemoSpec(
+    corpus_chars=400_000, vocab_size=384, hidden_size=64, num_heads=2, num_kv_heads=1,
+    intermediate_size=128, num_layers=3,
+    train_seq_len=64, train_batch_size=16, train_steps=120, num_train=96, num_eval=8,
+    prompt_len=24, response_len=40,
+)
 PRESETS = {
     # A few minutes on one core; the drafter trained on it by the demo config reaches 1.8x the tau
     # of prompt lookup (docs/PIPELINE.md).
     "default": DemoSpec(),
-    # For tests: a few seconds.
-    "tiny": DemoSpec(
-        corpus_chars=400_000, vocab_size=384, hidden_size=64, num_heads=2, num_kv_heads=1,
-        intermediate_size=128, num_layers=3,
-        train_seq_len=64, train_batch_size=16, train_steps=120, num_train=96, num_eval=8,
-        prompt_len=24, response_len=40,
-    ),
+    "tiny": TINY,
+    # The target of the thinking-mode benchmark (benchmarks/thinking_mode.py), and its tests' size.
+    "thinking": DemoSpec(thinking=True),
+    "tiny-thinking": dataclasses.replace(TINY, thinking=True),
 }
 
 
@@ -111,8 +121,9 @@ def stdlib_sources(max_chars: int) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer, wrapped so that `save_pretrained` / `AutoTokenizer` understand it."""
+def train_tokenizer(texts: list[str], vocab_size: int, thinking: bool = False):
+    """A byte-level BPE tokenizer, wrapped so that `save_pretrained` / `AutoTokenizer` understand it;
+    with `thinking`, `<think>` and `</think>` are special tokens too, as in Qwen3's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,7 +132,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN, MASK_TOKEN],
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, MASK_TOKEN, *((THINK_OPEN, THINK_CLOSE) if thinking else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -282,7 +293,8 @@ def _cache_record(spec: DemoSpec) -> dict:
 def is_prepared(out_dir: Path, spec: DemoSpec) -> bool:
     marker = out_dir / "demo.json"
     required = [out_dir / "target" / "config.json", out_dir / "data" / "train.jsonl",
-                out_dir / "data" / "eval.jsonl", out_dir / "data" / "prompts.jsonl", out_dir / "config.yaml"]
+                out_dir / "data" / "eval.jsonl", out_dir / "data" / "prompts.jsonl",
+                out_dir / "data" / "eval_prompts.jsonl", out_dir / "config.yaml"]
     try:
         recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
@@ -310,13 +322,17 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
     texts = stdlib_sources(spec.corpus_chars)
     # The last tenth of the files is held out: evaluation prompts come only from there.
     held_out = max(1, len(texts) // 10)
-    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    tokenizer = train_tokenizer(texts, spec.vocab_size, spec.thinking)
     docs = encode_corpus(tokenizer, texts)
     train_docs, eval_docs = docs[:-held_out], docs[-held_out:]
+    # The thinking target learns from the corpus with think blocks in it; prompts stay plain code.
+    target_docs = encode_corpus(tokenizer, [with_think_blocks(text, random.Random(spec.seed + i))
+                                            for i, text in enumerate(texts[:-held_out])]) \
+        if spec.thinking else train_docs
     _log("demo_corpus", files=len(texts), tokens=sum(map(len, docs)), vocab_size=len(tokenizer))
 
     model = build_target(spec, len(tokenizer))
-    final_loss = train_target(model, train_docs, spec, progress)
+    final_loss = train_target(model, target_docs, spec, progress)
     _log("demo_target", loss=round(final_loss, 4), parameters=sum(p.numel() for p in model.parameters()),
          seconds=round(time.monotonic() - started, 1))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -325,21 +341,29 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
 
     transformers_logging.disable_progress_bar()  # its bar would go to the log as noise
     model.save_pretrained(out_dir / "target")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE if spec.thinking else CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir / "target")
 
     rng = random.Random(spec.seed)
     settings = GenerationSettings(max_new_tokens=spec.response_len, batch_size=32)
     for name, pool, count in (("train", train_docs, spec.num_train), ("eval", eval_docs, spec.num_eval)):
         prompts = sample_prompts(pool, count, spec.prompt_len, rng)
+        chats = [{"messages": [{"role": "user", "content": tokenizer.decode(p)}]} for p in prompts]
+        if spec.thinking:
+            # Whole lines, through the chat template in the non-thinking mode (data.enable_thinking's
+            # default).
+            for chat in chats:
+                chat["messages"][0]["content"] = line_prompt(chat["messages"][0]["content"])
+            prompts = [list(tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True,
+                                                          enable_thinking=False, tokenize=True,
+                                                          return_dict=True)["input_ids"]) for chat in chats]
         responses = []
         for first in range(0, len(prompts), settings.batch_size):
             responses += generate_batch(model, prompts[first: first + settings.batch_size], settings,
                                         tokenizer.eos_token_id, tokenizer.pad_token_id)
         write_jsonl(out_dir / "data" / f"{name}.jsonl", prompts, responses)
-        if name == "train":
-            chats = [{"messages": [{"role": "user", "content": tokenizer.decode(p)}]} for p in prompts]
-            (out_dir / "data" / "prompts.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+        chats_name = "prompts.jsonl" if name == "train" else "eval_prompts.jsonl"
+        (out_dir / "data" / chats_name).write_text("".join(json.dumps(c) + "\n" for c in chats))
     config_path = write_config(out_dir, spec)
     seconds = round(time.monotonic() - started, 1)
     record = {"build": _cache_record(spec), "seconds": seconds}
@@ -357,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     prep = commands.add_parser("prepare", help="build (or reuse) the demo assets in DIR")
     prep.add_argument("dir", help="output directory (created if missing)")
     prep.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                      help="asset sizes: 'default' (about 1-2 minutes on one core) or 'tiny' (tests)")
+                      help="asset sizes: 'default' (about 1-2 minutes on one core) or 'tiny' (tests); "
+                           "'thinking' and 'tiny-thinking': a target taught Qwen3's two chat modes")
     prep.add_argument("--target-steps", type=int, help="override the target's training steps")
     prep.add_argument("--num-train", type=int, help="override the number of training sequences")
     prep.add_argument("--seed", type=int, help="override the seed")

@@ -135,6 +135,8 @@ flag wants (another value still gives correct output, with far fewer tokens acce
 
 Its layers' attention (`layer_types`): {attention}.
 
+{thinking}
+
 ## vLLM
 
 ```python
@@ -210,7 +212,20 @@ def serving_readme(config: dict, out_dir: Path) -> str:
         layer_ids=dflash["target_layer_ids"], mask=dflash["mask_token_id"],
         draft_tokens=dflash["block_size"] - 1, out_dir=Path(out_dir).resolve(),
         attention=attention_summary(config["layer_types"], config["sliding_window"]),
+        thinking=thinking_summary(config.get("dflash_training", {}).get("enable_thinking")),
     )
+
+
+def thinking_summary(enable_thinking: bool | None) -> str:
+    """What the exported README says of the thinking mode its data was regenerated in."""
+    if enable_thinking is None:
+        return ("Its checkpoint does not record the thinking mode of its data (Qwen3's chat-template "
+                "`enable_thinking`): serve it in the mode its data was regenerated in.")
+    mode = "thinking" if enable_thinking else "non-thinking"
+    return (f"It learnt from the target's {mode} answers (`dflash_training.enable_thinking: "
+            f"{str(enable_thinking).lower()}`): serve requests in that mode (the chat template's "
+            f"`enable_thinking={enable_thinking}`, e.g. vLLM's and SGLang's `chat_template_kwargs`); in the "
+            "other mode it accepts far fewer tokens, with output still correct.")
 
 
 def attention_summary(layer_types: list[str], window: int | None) -> str:
@@ -269,8 +284,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
-    # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters.
-    config["dflash_training"] = meta.get("loss_weighting") or {"loss_weighting": "decay"}
+    # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters,
+    # and the thinking mode of its data (data.enable_thinking; null: a checkpoint that did not record it),
+    # the mode to serve it in.
+    config["dflash_training"] = {**(meta.get("loss_weighting") or {"loss_weighting": "decay"}),
+                                 "enable_thinking": meta.get("enable_thinking")}
     problem = weight_name_problem(config, model_state)
     if problem is not None:
         raise ValueError(f"{checkpoint}: {problem}; nothing was exported")

@@ -157,7 +157,8 @@ class DrafterRun:
             drafter = self.trainer.drafter
             meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
                     "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
-                    "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan}
+                    "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan,
+                    "enable_thinking": self.cfg.data.enable_thinking}
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
             try:
                 path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,

@@ -103,7 +103,8 @@ def test_a_dpace_run_records_it_and_refuses_to_resume_under_the_decay(tiny_confi
     meta = json.loads((latest_checkpoint(run) / "meta.json").read_text())
     assert meta["loss_weighting"] == {"loss_weighting": "dpace", "dpace_alpha": 0.5}
     exported = export_checkpoint(latest_checkpoint(run), tmp_path / "export")
-    assert json.loads((exported / "config.json").read_text())["dflash_training"] == meta["loss_weighting"]
+    recorded = json.loads((exported / "config.json").read_text())["dflash_training"]
+    assert recorded == {**meta["loss_weighting"], "enable_thinking": False}
 
     decay = config_from_dict(tiny_config(run, optim={"total_steps": 6}))
     assert run_single_process(decay) == 2
