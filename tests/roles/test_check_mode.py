@@ -5,14 +5,17 @@ changes nothing: the run's pid and pidfile, the releases, `current` and `previou
 Then, on the same fleet, deploy.yml's phases as tags (its header): -t preflight and -t verify change
 nothing, -t release makes a new release live while the run keeps its process, -t verify then fails naming
 the restart, and -t restart moves the run onto the live release without shipping anything; and a start's
-wait for its first step says how far the run got at each poll. The tests run in order."""
+wait for its first step, and a restart's wait for a slow stop, say how far they got at each poll. The tests
+run in order."""
 
 import json
 
 import pytest
 import yaml
 
+from ansible_collections.dflash.ops.plugins.module_utils import run_job
 from pvesim.fleet import REPO, Fleet, change_code
+from tests.reliability.stops_support import FAKE_RUN, LOG, PIDFILE, training_run
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -20,7 +23,10 @@ CONTAINERS = (200,)
 CHECK = ("--check", "--diff")
 RELEASE_TASK = "Ensure the release is live in the container (unpacked and validated before the switch)."
 STOP_TASK = "Stop the run (the trainer checkpoints on SIGTERM)."
-# A restart's one call (stop, GPUs idle, start); in check mode it only says what it would stop.
+# A restart's one call (stop, GPUs idle, start), an async job; in check mode a plain call that only says
+# what it would stop.
+LAUNCH_TASK = "Begin the run's start in the container, after the stop of a restart, as an async job."
+# The wait for that call, which returns its result.
 RESTART_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
 START_TASK = "Report the run this would start (check mode)."
 
@@ -54,7 +60,7 @@ def changed(res, task):
 
 
 def would_stop(res):
-    return {host for host, result in res.results(RESTART_TASK).items()
+    return {host for host, result in res.results(LAUNCH_TASK).items()
             if result.get("changed") and result["msg"].startswith("would stop")}
 
 
@@ -182,6 +188,9 @@ def test_restart_alone_moves_the_run_onto_the_live_release_and_ships_nothing(fle
     res = fleet.play("deploy.yml", "-t", "restart")
     assert res.rc == 0, res
     assert RELEASE_TASK not in ran(res) and res.results(RESTART_TASK)[HOST]["changed"]
+    # The wait for the restart's call ended with the call, not at its next poll (dflash_run_progress_poll 30).
+    [wait] = [task for task in res.tasks if task.name.endswith(RESTART_TASK)]
+    assert wait.hosts[HOST]["attempts"] == 1 and wait.seconds < 30, (wait.seconds, wait.hosts[HOST])
     after = phase_state(fleet)
     assert after["pid"] != before["pid"] and after["alive"]
     assert (after["release"], after["releases"]) == (before["release"], before["releases"])
@@ -200,3 +209,35 @@ def test_a_first_step_slower_than_the_poll_is_waited_for_with_a_line_at_each_pol
     assert json.loads(waited["progress"])["event"] == "step", waited
     assert f"{HOST}: still waiting; last: " in res.stdout, res.stdout[-3000:]
     assert fleet.alive(VMID, started["pid"])
+
+
+SLOW_STOP = 4  # seconds the stand-in run below takes to checkpoint on SIGTERM
+
+
+def test_a_restarts_stop_slower_than_the_poll_says_what_it_waits_for_at_each_poll(fleet):
+    """A run that checkpoints for SLOW_STOP seconds on SIGTERM (the tests' stand-in, under the role's pidfile
+    and log, holding the run's GPUs), restarted with dflash_run_progress_poll 1: the restart's one call runs
+    as an async job, and its wait prints a line at each poll naming the stop of that pid with the log's last
+    line (the checkpoint's), then returns the call's result; the new run starts."""
+    slow = training_run(fleet, VMID, name="main", pidfile=PIDFILE, log_path=LOG, state="restarted",
+                        command=["/usr/bin/python3", FAKE_RUN, "--slow-term", str(SLOW_STOP)],
+                        environment={"CUDA_VISIBLE_DEVICES": "0,1"}, stop_timeout=60)
+    assert not slow.get("failed") and fleet.alive(VMID, slow["pid"]), slow
+    res = fleet.play("restart_training.yml", "-e", json.dumps({"dflash_run_progress_poll": 1}))
+    assert res.rc == 0, res
+    restarted = res.results(RESTART_TASK)[HOST]
+    assert restarted["previous_pid"] == slow["pid"] and restarted["how"] == "terminated", restarted
+    assert restarted["seconds"] >= SLOW_STOP and restarted["gpu_idle"]["met"], restarted
+    # During the stop: a line a second, naming it, with the checkpoint's last log line.
+    stop = f"{HOST}: still waiting for {run_job.stop_phase(slow['pid'], 60)}"  # the sim's stop timeout
+    lines = [line for line in res.stdout.splitlines() if f"{HOST}: still waiting" in line]
+    during_stop = [line for line in lines if line.lstrip().startswith(stop)]
+    assert len(during_stop) >= SLOW_STOP - 2, res.stdout[-4000:]
+    assert all("; last: fake run: saving the checkpoint" in line for line in during_stop), during_stop
+    # No flood: no more of the wait's lines than the seconds it waited (one per poll).
+    [wait] = [task for task in res.tasks if task.name.endswith(RESTART_TASK)]
+    mine = [line for line in lines if "still waiting for " in line]  # the first step's wait names nothing
+    assert len(mine) <= wait.seconds + 1, (wait.seconds, mine)
+    new = fleet.run_info(VMID)
+    assert new["pid"] == restarted["pid"] != slow["pid"] and fleet.alive(VMID, new["pid"])
+    assert not fleet.alive(VMID, slow["pid"])

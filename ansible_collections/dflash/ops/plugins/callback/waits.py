@@ -12,7 +12,9 @@ description:
   - A task that polls (C(until), C(retries), C(delay)) prints Ansible's C(FAILED - RETRYING) line at each
     retry, which says neither what it waits for nor how far it got. On each retry whose result has
     C(progress) (M(dflash.ops.training_run)'s status of a live run with C(log_path) returns its log's
-    last line), this callback prints one more line, with the host and that progress.
+    last line), this callback prints one more line, with the host and that progress, and what the wait is
+    for when the result says it (C(waiting_for), which the status of an async job of
+    M(dflash.ops.training_run) returns, names what the call is doing, such as the stop of pid N).
   - Enabled in the project's C(ansible.cfg) (C(callbacks_enabled = dflash.ops.waits)).
 version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
@@ -39,4 +41,4 @@ class CallbackModule(CallbackBase):
         progress = returned.get("progress")
         if progress:
             host = getattr(result, "host", None) or result._host
-            self._display.display(progress_line(host.get_name(), progress))
+            self._display.display(progress_line(host.get_name(), progress, returned.get("waiting_for")))

@@ -33,6 +33,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
 )
 
 LOG_TAIL_BYTES = 4096
+# A wait's progress: the log's last line, read from at most this many of its last bytes.
+PROGRESS_BYTES = 4096
 
 
 def resolve_program(argv0, chdir, env):
@@ -113,6 +115,11 @@ def log_tail(path, limit=LOG_TAIL_BYTES):
             return log_file.read().decode("utf-8", "replace")
     except (OSError, UnsafePath):
         return ""
+
+
+def last_log_line(path):
+    """The log's last line (how far the run got, for a wait that reports), or '' when there is none."""
+    return last_lines(log_tail(path, limit=PROGRESS_BYTES), count=1)
 
 
 def log_size(path):

@@ -80,13 +80,16 @@ class RunStopper:
                 return running
             time.sleep(POLL_SECONDS)
 
-    def stop(self, stop_timeout, kill_timeout):
+    def stop(self, stop_timeout, kill_timeout, on_kill=None):
+        """SIGTERM, then SIGKILL after `stop_timeout` (calling `on_kill` first, to say so)."""
         began = time.monotonic()
         self.send(signal.SIGTERM, self.tracked, process_table(self.proc_root))
         how = "terminated"
         left = self.wait(stop_timeout, late_signal=None)
         if left:
             how = "killed"
+            if on_kill:
+                on_kill()
             self.send(signal.SIGKILL, self.tracked, process_table(self.proc_root))
             left = self.wait(kill_timeout, late_signal=signal.SIGKILL)
         summary = dict(seconds=round(time.monotonic() - began, 2), signalled=sorted(self.signalled),

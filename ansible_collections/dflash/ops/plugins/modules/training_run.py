@@ -108,6 +108,17 @@ options:
       - With V(status) and O(wait_for), where in O(log_path) to look from (a start's RV(log_offset)); the
         result's RV(matched) says whether a line after it matches O(wait_for).
     type: int
+  async_results_file:
+    description:
+      - With V(status), the C(results_file) of a call of this module run as an Ansible async job (C(async),
+        C(poll=0)). The call waits in the target up to O(wait_return_after) seconds (V(0), until the job
+        ends) and returns as soon as the job ends, with that call's own result (and RV(finished) true;
+        failing with its message if it failed); the job file is then removed. While the job runs it
+        returns RV(finished) false, what the job's call is doing (RV(waiting_for)) and the last line of
+        O(log_path) (RV(progress)), for a task that polls it until RV(finished).
+      - A call that changes the run says what it is doing in C(<pidfile>.phase) while it holds the run's
+        lock (stopping pid N, waiting for O(idle_gpus) to be idle, starting).
+    type: path
   expect_pid:
     description:
       - The pid of the run the caller inspected earlier, or V(0) for no run. If a live run with
@@ -172,6 +183,8 @@ notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
   - A lock file C(<pidfile>.lock) serialises concurrent invocations on the same pidfile.
+  - O(async_results_file) reads the job file of Ansible's async wrapper as M(ansible.builtin.async_status)
+    does, and removes it as its V(cleanup) mode does, once it has read the job's end.
 """
 
 EXAMPLES = r"""
@@ -191,6 +204,27 @@ EXAMPLES = r"""
     expect_pid: "{{ inspected.pid or 0 }}"
     wait_for: '"event": *"step"'
     environment_file: /var/lib/dflash/main.env
+
+- name: Begin a restart as an async job (it may wait minutes for a checkpoint and for idle GPUs).
+  dflash.ops.training_run:
+    name: main
+    state: restarted
+    command: [/opt/dflash/current/run.sh]
+    idle_gpus: [0, 1]
+  async: 1200
+  poll: 0
+  register: restart_job
+
+- name: Wait for the restart, saying every 30 seconds what it waits for and the log's last line.
+  dflash.ops.training_run:
+    name: main
+    state: status
+    async_results_file: "{{ restart_job.results_file }}"
+    wait_return_after: 30
+  register: restarted
+  until: restarted.finished
+  retries: 40
+  delay: 0
 
 - name: Ensure the training run is stopped (it checkpoints on SIGTERM).
   dflash.ops.training_run:
@@ -297,13 +331,23 @@ gpu_idle:
     polls, seconds), as M(dflash.ops.gpu_verify) returns it.
   returned: when O(idle_gpus) was waited for
   type: dict
+finished:
+  description: Whether the async job of O(async_results_file) has ended; once it has, the rest of the result
+    is that job's.
+  returned: with O(async_results_file)
+  type: bool
+waiting_for:
+  description: What the job's call is doing (stopping pid N, waiting for its GPUs to be idle, starting) and
+    for how long so far, or that it holds no phase yet (it waits for the run's lock) or any more.
+  returned: with O(async_results_file), while the job runs
+  type: str
 """
 
 import re
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils import run_boot
+from ansible_collections.dflash.ops.plugins.module_utils import run_boot, run_job
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll, unmet_message
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
@@ -322,7 +366,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
-    last_lines,
+    last_log_line,
     log_match,
     log_refusal,
     log_tail,
@@ -332,8 +376,6 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
 
-# A status's `progress`: the log's last line, read from at most this many of its last bytes.
-PROGRESS_BYTES = 4096
 ARGUMENT_SPEC = dict(
     name=dict(type="str", required=True),
     state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
@@ -349,6 +391,7 @@ ARGUMENT_SPEC = dict(
     wait_timeout=dict(type="float", default=300),
     wait_return_after=dict(type="float", default=0),
     log_offset=dict(type="int"),
+    async_results_file=dict(type="path"),
     expect_pid=dict(type="int"),
     environment_file=dict(type="path"),
     idle_gpus=dict(type="list", elements="int"),
@@ -365,7 +408,7 @@ ARGUMENT_SPEC = dict(
 IDLE_POLL_SECONDS = 0.5
 
 
-def do_stop(module, record, verdict):
+def do_stop(module, record, verdict, phases):
     """Stop what the pidfile names; returns the result fields."""
     params = module.params
     pidfile = params["pidfile"]
@@ -385,7 +428,10 @@ def do_stop(module, record, verdict):
                     pid=record["pid"], msg=msg)
     if module.check_mode:
         return dict(changed=True, pid=record["pid"], msg=f"would stop {describe(record)}")
-    stopped = RunStopper(record).stop(params["stop_timeout"], params["kill_timeout"])
+    phases.set(run_job.stop_phase(record["pid"], params["stop_timeout"]))
+    killing = run_job.kill_phase(record["pid"], params["kill_timeout"])
+    stopped = RunStopper(record).stop(params["stop_timeout"], params["kill_timeout"],
+                                      on_kill=lambda: phases.set(killing))
     remove_file(pidfile)
     return dict(changed=True, pid=record["pid"], msg=f"stopped {describe(record)}: {stopped['how']}",
                 **stopped)
@@ -406,7 +452,7 @@ def wait_idle_gpus(params, executable):
     return seen
 
 
-def apply_state(module, env):
+def apply_state(module, env, phases):
     params = module.params
     state = params["state"]
     record, verdict, unsafe = inspect(params["pidfile"])
@@ -420,8 +466,7 @@ def apply_state(module, env):
                 found = log_match(params["log_path"], params["log_offset"], params["wait_for"])
                 extra["matched"] = found is not None
             if params["log_path"]:
-                extra["progress"] = found or last_lines(log_tail(params["log_path"], limit=PROGRESS_BYTES),
-                                                        count=1)
+                extra["progress"] = found or last_log_line(params["log_path"])
             return running_result(record, changed=False, msg=f"running: {describe(record)}", **extra)
         if verdict not in ("absent", "live"):  # it ended without a stop: finished, failed or died
             extra["log_tail"] = log_tail(params["log_path"])
@@ -437,7 +482,7 @@ def apply_state(module, env):
 
     if state == "stopped":
         result = stopped_result(record, verdict)
-        result.update(do_stop(module, record, verdict))
+        result.update(do_stop(module, record, verdict, phases))
         return result
 
     preflight(params, env)
@@ -454,18 +499,20 @@ def apply_state(module, env):
                        f"{describe(record)}; use state=restarted to replace it", **running_result(record))
     result = {}
     if verdict != "absent":  # restarted with a live run, or any stale pidfile
-        result.update(do_stop(module, record, verdict))
+        result.update(do_stop(module, record, verdict, phases))
         result["previous_pid"] = result.pop("pid")
         result["stop_msg"] = result.pop("msg")
     if module.check_mode:
         result.update(stopped_result(record, verdict, changed=True, msg=f"would start {params['command']}"))
         return result
     if executable:
+        phases.set(run_job.gpus_phase(params["idle_gpus"], params["idle_timeout"]))
         try:
             result["gpu_idle"] = wait_idle_gpus(params, executable)
         except RunError as exc:
             exc.result.update(result, **stopped_result(record, verdict))
             raise
+    phases.set(run_job.start_phase(params["wait_for"]))
     new_record, startup = start_run(params, env)
     msg = f"started {describe(new_record)}"
     if "stop_msg" in result:
@@ -495,6 +542,9 @@ def main():
         module.fail_json(msg=f"log_offset must be a byte offset >= 0, got {params['log_offset']}")
     if params["expect_pid"] is not None and params["expect_pid"] < 0:
         module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
+    if params["async_results_file"] and params["state"] != "status":
+        module.fail_json(msg=f"async_results_file is read by state=status only (a task that polls the async "
+                             f"job of another call), not state={params['state']}: nothing was done")
     if params["wait_for"]:
         try:
             re.compile(params["wait_for"])
@@ -508,10 +558,17 @@ def main():
 
     result = dict(name=name, pidfile=params["pidfile"])
     try:
+        if params["async_results_file"]:
+            failed, job = run_job.job_status(params, remove=not module.check_mode)
+            result.update(job)
+            if failed:
+                module.fail_json(**result)
+            module.exit_json(**result)
         if params["environment_file"] and params["state"] in ("started", "restarted"):
             env.update(read_environment_file(params["environment_file"]))
-        with pidfile_lock(params["pidfile"], enabled=params["state"] != "status" and not module.check_mode):
-            result.update(apply_state(module, env))
+        changes = params["state"] != "status" and not module.check_mode
+        with pidfile_lock(params["pidfile"], changes), run_job.Phases(params["pidfile"], changes) as phases:
+            result.update(apply_state(module, env, phases))
             if params["boot"] and params["state"] in ("started", "restarted") and (
                     result.get("status") == "running" or module.check_mode):
                 result["boot"] = run_boot.ensure(params, params["boot"], check_mode=module.check_mode)

@@ -1,8 +1,7 @@
 # Copyright: dflash-ops contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The one line a wait prints while it lasts (the dflash.ops.waits callback at each retry of a polled wait,
-the dflash.ops.training_run action while its call waits in the container): the host, what it waits for
-when that is known, and its last progress (the run's log's last line)."""
+"""The one line a wait prints while it lasts (the dflash.ops.waits callback at each retry of a polled wait):
+the host, what it waits for when that is known, and its last progress (the run's log's last line)."""
 
 # A log line longer than this is cut: a wait's line is read by people.
 MAX_PROGRESS = 240
