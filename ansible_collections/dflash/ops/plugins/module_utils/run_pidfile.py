@@ -134,8 +134,7 @@ def remove_file(path):
 
 
 def default_paths(name):
-    """(pidfile, log path) of run `name` where the caller names neither: the module's defaults, and where
-    its action plugin on the controller reads the run's progress."""
+    """(pidfile, log path) of run `name` where the caller names neither: the module's defaults."""
     return f"/var/lib/dflash/{name}.pid", f"/var/log/dflash/{name}.log"
 
 
