@@ -1,8 +1,10 @@
 """inventory/production.example works as written: copied, with only what a sim must have changed (each
 override in SIM_OVERRIDES, with why), it provisions CT 200 on a fresh node, deploys to that fresh
 container with everything a real user passes (a secret, the bind mounts, a node user other than root),
-restarts, reads the status and stops. A second provision and a second deploy change nothing, and the
-secret's value never appears in Ansible's output. The tests share one sim and run in order."""
+restarts, reads the status and stops; then captures the target's features into the container's feature
+cache, the node's directory mounted there, and deploys a run that trains from it. A second provision and a
+second deploy change nothing, and the secret's value never appears in Ansible's output. The tests share
+one sim and run in order."""
 
 import json
 import shlex
@@ -190,3 +192,28 @@ def test_restart_status_and_stop(example):
     assert stop.rc == 0, stop
     assert not alive(example, after["pid"])
     assert json.loads(ct(example, "cat /var/lib/dflash/runs/main/status.json").stdout)["state"] == "stopped"
+
+
+def test_a_feature_cache_captured_through_the_mount_trains_the_next_deploy(example):
+    """README's feature-cache path: capture into /srv/features, the node's /srv/features/ct200 mounted
+    there, then a deploy that trains from it, with the secret, on the node's storage."""
+    # The operator's chown makes the directory the container root's on a real node, where that root is the
+    # node's uid 100000; pvesim's containers are privileged (docs/PVESIM.md, the uid shift not modelled), so
+    # there the container's root is the node's uid 0, and the trainer refuses a directory of another user.
+    on_node = example[3] / "srv" / "features" / f"ct{VMID}"
+    shutil.chown(on_node, 0, 0)
+    res = play(example, "capture_features.yml", "-e", "dflash_capture_out=/srv/features",
+               "-e", "dflash_capture_poll=2")
+    assert res.rc == 0, res.messages()
+    # Written in the container, kept on the node's storage.
+    manifest = json.loads((on_node / "manifest.json").read_text())
+    assert manifest["shards"] and all((on_node / shard["name"]).is_file() for shard in manifest["shards"])
+
+    res = play(example, "deploy.yml", "-e", SECRETS, "-e", "dflash_release_features_path=/srv/features")
+    assert res.rc == 0, res
+    assert SECRET not in res.stdout
+    run = res.results(START_TASK)[f"ct{VMID}"]
+    assert run["changed"] and alive(example, run["pid"]), run
+    assert "features_path: /srv/features" in ct(example, "cat /opt/dflash/current/config.yaml").stdout
+    stop = play(example, "stop_training.yml")
+    assert stop.rc == 0 and not alive(example, run["pid"]), stop
