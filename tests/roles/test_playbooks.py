@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 CONTAINERS = (200, 201, 202, 203)
 HOSTS = [f"ct{v}" for v in CONTAINERS]
 # The start, or a restart's stop, idle check and start, in one call.
-RESTART_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
+RESTART_TASK = "Wait for the restart's call (its stop, the GPUs' idle wait, the start), saying what it does."
 
 
 # docs/CONTRACTS.md's table of the round trips into a container that a play may make: {play: count}.

@@ -26,6 +26,8 @@ USER = "ansible"
 LOGIN = re.compile(r"Accepted publickey for (\S+) from")
 # The start, or a restart's stop, GPU idle check and start, in one call.
 START_TASK = "Start the run once its GPUs are idle, and wait for its first training step."
+# A restart's call runs as an async job; this task waits for it and returns its result.
+RESTART_TASK = "Wait for the restart's call (its stop, the GPUs' idle wait, the start), saying what it does."
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ def test_restart_as_the_node_user(fleet):
     assert new["pid"] != old["pid"] and fleet.alive(200, new["pid"]) and not fleet.alive(200, old["pid"])
     # Between the stop and the start the GPUs were idle (the restart's one call checked), and the new run
     # holds them (its own pid listed).
-    assert res.results(START_TASK)["ct200"]["gpu_idle"]["processes"] == []
+    assert res.results(RESTART_TASK)["ct200"]["gpu_idle"]["processes"] == []
     busy = res.results("Wait until the run's GPUs are busy.")["ct200"]
     assert {p["pid"] for p in busy["processes"]} == {new["pid"]}
 
