@@ -218,9 +218,10 @@ class PlayResult:
     __repr__ = __str__  # what pytest shows of `assert res.rc == 0, res`
 
 
-def _run(keep_dir, timeout, envvars, **kwargs):
+def _run(keep_dir, timeout, envvars, on_event=None, **kwargs):
     """One ansible-runner run in its own private data dir (`keep_dir`, emptied first, or a temporary
-    one removed afterwards); returns its PlayResult."""
+    one removed afterwards); returns its PlayResult. `on_event(event)`, if given, sees each of ansible-
+    runner's events as it comes (its `stdout` is the text the event printed)."""
     if keep_dir:
         shutil.rmtree(keep_dir, ignore_errors=True)
         Path(keep_dir).mkdir(parents=True)
@@ -233,7 +234,10 @@ def _run(keep_dir, timeout, envvars, **kwargs):
     try:
         runner = ansible_runner.run(private_data_dir=str(private), envvars=env, timeout=timeout, quiet=True,
                                     passwords=UNKNOWN_HOST_KEY, fact_cache_type="memory",
-                                    suppress_env_files=True, **kwargs)
+                                    suppress_env_files=True, **kwargs,
+                                    # ansible-runner keeps an event only when its handler returns True.
+                                    **({"event_handler": lambda event: on_event(event) or True}
+                                       if on_event else {}))
         stdout = runner.stdout.read()
         return PlayResult.from_events(runner.rc, runner.status, list(runner.events), stdout)
     finally:
@@ -242,12 +246,13 @@ def _run(keep_dir, timeout, envvars, **kwargs):
 
 
 def run_playbook(playbook, inventory, *args, extravars=None, limit=None, envvars=None, timeout=900,
-                 keep_dir=None):
+                 keep_dir=None, on_event=None):
     """Run `playbook` (a path, or a name under playbooks/) against `inventory`; `args` are further
     ansible-playbook arguments (`-e k=v`, `--check`, ...). Returns a PlayResult."""
     path = Path(playbook) if Path(playbook).is_absolute() else PLAYBOOKS / playbook
-    return _run(keep_dir, timeout, envvars, playbook=str(path), inventory=str(inventory), extravars=extravars,
-                limit=limit, cmdline=shlex.join(args) if args else None, project_dir=str(REPO))
+    return _run(keep_dir, timeout, envvars, on_event, playbook=str(path), inventory=str(inventory),
+                extravars=extravars, limit=limit, cmdline=shlex.join(args) if args else None,
+                project_dir=str(REPO))
 
 
 def run_module(module, args, inventory, pattern, *, envvars=None, timeout=120, keep_dir=None, verbosity=None):
@@ -282,14 +287,15 @@ class Fleet:
     def inventory(self):
         return self.sim.inventory_path
 
-    def play(self, playbook, *args, timeout=900):
+    def play(self, playbook, *args, timeout=900, on_event=None):
         """Run a playbook of playbooks/ against the fleet. Each run keeps its artifacts in a directory of
-        its own under base/plays/ (plays may run at once: two restarts of one container, say)."""
+        its own under base/plays/ (plays may run at once: two restarts of one container, say). `on_event`
+        sees each event as it comes (run_playbook)."""
         (self.base / "plays").mkdir(exist_ok=True)
         private = Path(tempfile.mkdtemp(prefix=f"{Path(playbook).stem}-", dir=self.base / "plays"))
         return run_playbook(playbook, self.inventory, *args, timeout=timeout, keep_dir=private,
                             extravars={"dflash_release_source_dir": str(self.src / "dflash")},
-                            envvars={"DFLASH_SIM_ASSETS": str(self.assets)})
+                            envvars={"DFLASH_SIM_ASSETS": str(self.assets)}, on_event=on_event)
 
     def add_to_inventory(self, node_name, vmid, **hostvars):
         """Add container `vmid` of `node_name` to the fleet's inventory as ct<vmid> (whether the node has

@@ -212,28 +212,41 @@ def test_a_first_step_slower_than_the_poll_is_waited_for_with_a_line_at_each_pol
     assert fleet.alive(VMID, started["pid"])
 
 
-SLOW_STOP = 4  # seconds the stand-in run below takes to checkpoint on SIGTERM
+STOP_LINES = 2  # lines of the restart's wait naming the stop that the test reads before the stop may end
+RELEASE = "/tmp/dflash-test-release"  # in the container: the stand-in run's checkpoint ends once it exists
 
 
 def test_a_restarts_stop_slower_than_the_poll_says_what_it_waits_for_at_each_poll(fleet):
-    """A run that checkpoints for SLOW_STOP seconds on SIGTERM (the tests' stand-in, under the role's pidfile
+    """A run that checkpoints on SIGTERM until RELEASE exists (the tests' stand-in, under the role's pidfile
     and log, holding the run's GPUs), restarted with dflash_run_progress_poll 1: the restart's one call runs
     as an async job, and its wait prints a line at each poll naming the stop of that pid with the log's last
-    line (the checkpoint's), then returns the call's result; the new run starts."""
+    line (the checkpoint's); the test creates RELEASE once it has read STOP_LINES of them, so the stop lasts
+    as long as the machine needs. The wait then returns the call's result; the new run starts."""
+    fleet.ct(VMID, f"rm -f {RELEASE}")
     slow = training_run(fleet, VMID, name="main", pidfile=PIDFILE, log_path=LOG, state="restarted",
-                        command=["/usr/bin/python3", FAKE_RUN, "--slow-term", str(SLOW_STOP)],
+                        command=["/usr/bin/python3", FAKE_RUN, "--hold-term", RELEASE],
                         environment={"CUDA_VISIBLE_DEVICES": "0,1"}, stop_timeout=60)
     assert not slow.get("failed") and fleet.alive(VMID, slow["pid"]), slow
-    res = fleet.play("restart_training.yml", "-e", json.dumps({"dflash_run_progress_poll": 1}))
-    assert res.rc == 0, res
+    stop = f"{HOST}: still waiting for {run_job.stop_phase(slow['pid'], 60)}"  # the sim's stop timeout
+    seen = []
+
+    def release_after_the_lines(event):
+        seen.extend(line for line in event.get("stdout", "").splitlines()
+                    if line.lstrip().startswith(stop) and "; last: fake run: saving the checkpoint" in line)
+        if len(seen) >= STOP_LINES and not released:
+            released.append(fleet.ct(VMID, f"touch {RELEASE}").returncode)
+
+    released = []
+    res = fleet.play("restart_training.yml", "-e", json.dumps({"dflash_run_progress_poll": 1}),
+                     on_event=release_after_the_lines)
+    assert res.rc == 0 and released == [0], (released, res)
     restarted = res.results(RESTART_TASK)[HOST]
     assert restarted["previous_pid"] == slow["pid"] and restarted["how"] == "terminated", restarted
-    assert restarted["seconds"] >= SLOW_STOP and restarted["gpu_idle"]["met"], restarted
-    # During the stop: a line a second, naming it, with the checkpoint's last log line.
-    stop = f"{HOST}: still waiting for {run_job.stop_phase(slow['pid'], 60)}"  # the sim's stop timeout
+    assert restarted["gpu_idle"]["met"], restarted
+    # During the stop: a line at each poll, naming it, with the checkpoint's last log line.
     lines = [line for line in res.stdout.splitlines() if f"{HOST}: still waiting" in line]
     during_stop = [line for line in lines if line.lstrip().startswith(stop)]
-    assert len(during_stop) >= SLOW_STOP - 2, res.stdout[-4000:]
+    assert len(during_stop) >= STOP_LINES, res.stdout[-4000:]
     assert all("; last: fake run: saving the checkpoint" in line for line in during_stop), during_stop
     # No flood: no more of the wait's lines than the seconds it waited (one per poll).
     [wait] = [task for task in res.tasks if task.name.endswith(RESTART_TASK)]
