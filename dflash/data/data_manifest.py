@@ -11,8 +11,10 @@ unfinished the same record, without `rows`, is `TRAIN.jsonl.parts.json`.
 A run is refused (`ConfigError` on `data.enable_thinking`) when its `data.path` or `data.eval_path`
 has a manifest whose `enable_thinking` is not null and differs from the config's: a drafter trained
 on one mode's answers and served in the other accepts far fewer tokens than its training accuracy
-says. Data without a manifest (a user's own) is not checked. `python -m dflash.config validate` and
-the training start (`dflash.run.main`) call `check_thinking_mode`; this module imports no torch.
+says. Data without a manifest (a user's own) is not checked; checkpoints and exports then say that the
+mode is the config's word alone (`enable_thinking_confirmed: false`). `python -m dflash.config validate`,
+the training start (`dflash.run.main`) and each drafter's run (for its checkpoints' meta) call
+`check_thinking_mode`; this module imports no torch.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def read_record(path: Path) -> dict | None:
     return record
 
 
-def check_thinking_mode(cfg: TrainConfig) -> None:
-    """The config's thinking mode is its regenerated data's: ConfigError naming data.enable_thinking,
-    the data's mode and the config's otherwise."""
+def data_modes(cfg: TrainConfig) -> list[tuple[str, str, Path, bool | None]]:
+    """(key, data file, its manifest, the mode it names) for data.path and data.eval_path; the mode is None
+    when the file has no manifest or its template had no toggle. ConfigError on a manifest that is not one."""
+    modes = []
     for key in ("path", "eval_path"):
         data = getattr(cfg.data, key)
         if data is None:
@@ -64,7 +67,16 @@ def check_thinking_mode(cfg: TrainConfig) -> None:
             record = read_record(manifest)
         except ValueError as exc:
             raise ConfigError(f"data.{key}", f"{exc}; regenerate the data or remove the manifest") from exc
-        mode = None if record is None else record["enable_thinking"]
+        modes.append((key, data, manifest, None if record is None else record["enable_thinking"]))
+    return modes
+
+
+def check_thinking_mode(cfg: TrainConfig) -> bool:
+    """The config's thinking mode is its regenerated data's: ConfigError naming data.enable_thinking,
+    the data's mode and the config's otherwise. Returns whether a manifest confirmed it (False: no data
+    file's manifest names a mode, so the config's value is the user's word alone)."""
+    confirmed = False
+    for key, data, manifest, mode in data_modes(cfg):
         if mode is not None and mode != cfg.data.enable_thinking:
             theirs, ours = mode_name(mode), mode_name(cfg.data.enable_thinking)
             raise ConfigError(KEY, f"the config says {ours}, but data.{key} {data} was regenerated with "
@@ -72,3 +84,5 @@ def check_thinking_mode(cfg: TrainConfig) -> None:
                               "thinking mode and served in the other accepts far fewer tokens; set "
                               f"data.enable_thinking: {theirs}, or regenerate the data with "
                               f"--enable-thinking {ours}")
+        confirmed = confirmed or mode is not None
+    return confirmed

@@ -212,18 +212,27 @@ def serving_readme(config: dict, out_dir: Path) -> str:
         layer_ids=dflash["target_layer_ids"], mask=dflash["mask_token_id"],
         draft_tokens=dflash["block_size"] - 1, out_dir=Path(out_dir).resolve(),
         attention=attention_summary(config["layer_types"], config["sliding_window"]),
-        thinking=thinking_summary(config.get("dflash_training", {}).get("enable_thinking")),
+        thinking=thinking_summary(config.get("dflash_training", {})),
     )
 
 
-def thinking_summary(enable_thinking: bool | None) -> str:
-    """What the exported README says of the thinking mode its data was regenerated in."""
+def thinking_summary(training: dict) -> str:
+    """What the exported README says of the thinking mode its data was regenerated in: `training` is the
+    export's `dflash_training` (`enable_thinking_confirmed`: whether a data manifest said the mode; absent
+    or null for a checkpoint from before that record)."""
+    enable_thinking = training.get("enable_thinking")
     if enable_thinking is None:
         return ("Its checkpoint does not record the thinking mode of its data (Qwen3's chat-template "
                 "`enable_thinking`): serve it in the mode its data was regenerated in.")
     mode = "thinking" if enable_thinking else "non-thinking"
-    return (f"It learnt from the target's {mode} answers (`dflash_training.enable_thinking: "
-            f"{str(enable_thinking).lower()}`): serve requests in that mode (the chat template's "
+    flag = str(enable_thinking).lower()
+    if training.get("enable_thinking_confirmed") is False:
+        learnt = (f"It was trained as the target's {mode} answers (`data.enable_thinking: {flag}`), which "
+                  "no data manifest confirmed: its data was not made by `python -m dflash.data regenerate` "
+                  "(or by a template without the toggle), so check that it holds that mode's answers, and")
+    else:
+        learnt = f"It learnt from the target's {mode} answers (`dflash_training.enable_thinking: {flag}`):"
+    return (f"{learnt} serve requests in that mode (the chat template's "
             f"`enable_thinking={enable_thinking}`, e.g. vLLM's and SGLang's `chat_template_kwargs`); in the "
             "other mode it accepts far fewer tokens, with output still correct.")
 
@@ -286,9 +295,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
                                dtype)
     # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters,
     # and the thinking mode of its data (data.enable_thinking; null: a checkpoint that did not record it),
-    # the mode to serve it in.
+    # the mode to serve it in, with whether a data manifest confirmed it (null: a checkpoint from before).
     config["dflash_training"] = {**(meta.get("loss_weighting") or {"loss_weighting": "decay"}),
-                                 "enable_thinking": meta.get("enable_thinking")}
+                                 "enable_thinking": meta.get("enable_thinking"),
+                                 "enable_thinking_confirmed": meta.get("enable_thinking_confirmed")}
     problem = weight_name_problem(config, model_state)
     if problem is not None:
         raise ValueError(f"{checkpoint}: {problem}; nothing was exported")

@@ -31,6 +31,7 @@ import torch
 
 from dflash.core.config import TrainConfig, dump_config, with_examples
 from dflash.core.runtime import EventLog
+from dflash.data.data_manifest import check_thinking_mode
 from dflash.data.examples import BatchOrder, load_examples, training_examples
 from dflash.data.target import TargetHead
 from dflash.training.checkpoint import (
@@ -108,6 +109,8 @@ class DrafterRun:
                                       warn=lambda message: self.log.emit("warning", message=message))
         self.vocab_size = head.config.vocab_size
         self.heldout = None
+        # Whether a data manifest confirmed data.enable_thinking (the checkpoints' meta says so).
+        self.thinking_confirmed = check_thinking_mode(cfg)
 
     def build_heldout(self, target=None, documents=None) -> None:
         """Held-out evaluation of the config's `data.eval_path`: the target's features of those
@@ -158,7 +161,8 @@ class DrafterRun:
             meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
                     "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
                     "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan,
-                    "enable_thinking": self.cfg.data.enable_thinking}
+                    "enable_thinking": self.cfg.data.enable_thinking,
+                    "enable_thinking_confirmed": self.thinking_confirmed}
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
             try:
                 path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,

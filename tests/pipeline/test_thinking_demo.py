@@ -106,8 +106,10 @@ def test_regenerate_train_export_and_evaluate_in_each_mode(demo, tmp_path, capsy
     out = export_checkpoint(next((tmp_path / "run" / "checkpoints").iterdir()), tmp_path / "export")
     exported = json.loads((out / "config.json").read_text())
     assert exported["dflash_training"]["enable_thinking"] is True
+    assert exported["dflash_training"]["enable_thinking_confirmed"] is True  # the regenerated data's manifest
     readme = (out / "README.md").read_text()
-    assert "thinking answers" in readme and "`enable_thinking=True`" in readme
+    assert "learnt from the target's thinking answers" in readme and "`enable_thinking=True`" in readme
+    assert "no data manifest confirmed" not in readme
     assert "non-thinking" not in readme
 
     # It serves in either mode: the held-out prompts of each, as benchmarks/thinking_mode.py evaluates them.

@@ -211,9 +211,14 @@ def test_data_without_a_manifest_or_with_a_null_mode_is_not_checked(targets, pro
     plain = tmp_path / "plain.jsonl"
     regenerate(targets["plain"], prompts, str(plain), SETTINGS)  # a template without the toggle: null
     model = {"target_path": str(tiny_target)}
-    for mode in (False, True):
+    for mode in (False, True):  # either is the config's word alone: nothing confirmed it
         data = {"path": str(plain), "enable_thinking": mode}
-        check_thinking_mode(config_from_dict({"model": model, "data": data}))
+        assert check_thinking_mode(config_from_dict({"model": model, "data": data})) is False
+    assert check_thinking_mode(config_from_dict({"model": model, "data": {"path": str(own)}})) is False
+    toggled = tmp_path / "toggled.jsonl"
+    regenerate(targets["toggle"], prompts, str(toggled), SETTINGS)  # non-thinking, said by its manifest
+    data = {"path": str(own), "eval_path": str(toggled)}
+    assert check_thinking_mode(config_from_dict({"model": model, "data": data})) is True
     assert config_from_dict({"model": model, "data": {"path": str(own)}}).data.enable_thinking is False
     with pytest.raises(ConfigError, match="data.enable_thinking: expected bool, got 'no'"):
         config_from_dict({"model": model, "data": {"path": str(own), "enable_thinking": "no"}})

@@ -104,7 +104,11 @@ def test_a_dpace_run_records_it_and_refuses_to_resume_under_the_decay(tiny_confi
     assert meta["loss_weighting"] == {"loss_weighting": "dpace", "dpace_alpha": 0.5}
     exported = export_checkpoint(latest_checkpoint(run), tmp_path / "export")
     recorded = json.loads((exported / "config.json").read_text())["dflash_training"]
-    assert recorded == {**meta["loss_weighting"], "enable_thinking": False}
+    # The tiny data has no manifest: its mode is the config's default, which nothing confirmed.
+    assert recorded == {**meta["loss_weighting"], "enable_thinking": False,
+                        "enable_thinking_confirmed": False}
+    readme = " ".join((exported / "README.md").read_text().split())
+    assert "non-thinking answers (`data.enable_thinking: false`), which no data manifest confirmed" in readme
 
     decay = config_from_dict(tiny_config(run, optim={"total_steps": 6}))
     assert run_single_process(decay) == 2
