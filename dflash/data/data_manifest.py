@@ -54,10 +54,11 @@ def read_record(path: Path) -> dict | None:
     return record
 
 
-def data_modes(cfg: TrainConfig) -> list[tuple[str, str, Path, bool | None]]:
-    """(key, data file, its manifest, the mode it names) for data.path and data.eval_path; the mode is None
-    when the file has no manifest or its template had no toggle. ConfigError on a manifest that is not one."""
-    modes = []
+def check_thinking_mode(cfg: TrainConfig) -> bool:
+    """The config's thinking mode is its regenerated data's: ConfigError naming data.enable_thinking,
+    the data's mode and the config's otherwise. Returns whether a manifest confirmed it (False: no data
+    file's manifest names a mode, so the config's value is the user's word alone)."""
+    confirmed = False
     for key in ("path", "eval_path"):
         data = getattr(cfg.data, key)
         if data is None:
@@ -67,16 +68,7 @@ def data_modes(cfg: TrainConfig) -> list[tuple[str, str, Path, bool | None]]:
             record = read_record(manifest)
         except ValueError as exc:
             raise ConfigError(f"data.{key}", f"{exc}; regenerate the data or remove the manifest") from exc
-        modes.append((key, data, manifest, None if record is None else record["enable_thinking"]))
-    return modes
-
-
-def check_thinking_mode(cfg: TrainConfig) -> bool:
-    """The config's thinking mode is its regenerated data's: ConfigError naming data.enable_thinking,
-    the data's mode and the config's otherwise. Returns whether a manifest confirmed it (False: no data
-    file's manifest names a mode, so the config's value is the user's word alone)."""
-    confirmed = False
-    for key, data, manifest, mode in data_modes(cfg):
+        mode = None if record is None else record["enable_thinking"]
         if mode is not None and mode != cfg.data.enable_thinking:
             theirs, ours = mode_name(mode), mode_name(cfg.data.enable_thinking)
             raise ConfigError(KEY, f"the config says {ours}, but data.{key} {data} was regenerated with "

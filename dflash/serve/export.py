@@ -227,9 +227,10 @@ def thinking_summary(training: dict) -> str:
     mode = "thinking" if enable_thinking else "non-thinking"
     flag = str(enable_thinking).lower()
     if training.get("enable_thinking_confirmed") is False:
-        learnt = (f"It was trained as the target's {mode} answers (`data.enable_thinking: {flag}`), which "
-                  "no data manifest confirmed: its data was not made by `python -m dflash.data regenerate` "
-                  "(or by a template without the toggle), so check that it holds that mode's answers, and")
+        learnt = (f"It was trained on data taken to be the target's {mode} answers (`data.enable_thinking: "
+                  f"{flag}`), which no data manifest confirmed: its data was not made by `python -m "
+                  "dflash.data regenerate` (or by a template without the toggle), so check that it holds "
+                  "that mode's answers, and")
     else:
         learnt = f"It learnt from the target's {mode} answers (`dflash_training.enable_thinking: {flag}`):"
     return (f"{learnt} serve requests in that mode (the chat template's "
