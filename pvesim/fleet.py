@@ -231,13 +231,12 @@ def _run(keep_dir, timeout, envvars, on_event=None, **kwargs):
     # ansible-runner turns host key checking off unless the environment says otherwise; ansible.cfg's
     # `host_key_checking = True` is what every run here keeps.
     env = {"ANSIBLE_HOST_KEY_CHECKING": "True", **ansible_settings(**(envvars or {}))}
+    if on_event:  # ansible-runner keeps an event only when its handler returns True
+        kwargs["event_handler"] = lambda event: on_event(event) or True
     try:
         runner = ansible_runner.run(private_data_dir=str(private), envvars=env, timeout=timeout, quiet=True,
                                     passwords=UNKNOWN_HOST_KEY, fact_cache_type="memory",
-                                    suppress_env_files=True, **kwargs,
-                                    # ansible-runner keeps an event only when its handler returns True.
-                                    **({"event_handler": lambda event: on_event(event) or True}
-                                       if on_event else {}))
+                                    suppress_env_files=True, **kwargs)
         stdout = runner.stdout.read()
         return PlayResult.from_events(runner.rc, runner.status, list(runner.events), stdout)
     finally:
