@@ -212,8 +212,14 @@ class PlayResult:
         return "\n".join(f"{host}: {result.get('msg')}" for _, host, result in self.host_results()
                          if result.get("failed"))
 
+    def changed_tasks(self):
+        """[(host, task name)] of every task run that reported a change, in order."""
+        return [(host, task.name) for task, host, result in self.host_results() if result.get("changed")]
+
     def __str__(self):
-        return f"rc={self.rc} ({self.status}) stats={self.stats}\n{self.messages()}\n{self.stdout[-3000:]}"
+        changed = "".join(f"changed: {host}: {name}\n" for host, name in self.changed_tasks())
+        return (f"rc={self.rc} ({self.status}) stats={self.stats}\n{changed}{self.messages()}\n"
+                f"{self.stdout[-3000:]}")
 
     __repr__ = __str__  # what pytest shows of `assert res.rc == 0, res`
 

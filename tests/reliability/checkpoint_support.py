@@ -65,7 +65,7 @@ class SaveHooks:
         from dflash.core import runtime
         from dflash.training import checkpoint
 
-        real_save_file, real_torch_save, real_fsync = checkpoint.save_file, torch.save, checkpoint._fsync
+        real_save_file, real_torch_save, real_fsync = checkpoint.save_file, torch.save, checkpoint.fsync_path
         real_rmtree = shutil.rmtree
         hooks = self
 
@@ -111,7 +111,7 @@ class SaveHooks:
             real_handle(self, signum, frame)
             hooks.signalled.set()
 
-        checkpoint.save_file, torch.save, checkpoint._fsync = save_file, torch_save, fsync
+        checkpoint.save_file, torch.save, checkpoint.fsync_path = save_file, torch_save, fsync
         shutil.rmtree = rmtree
         runtime.StopSignal._handle = handle
 

@@ -14,6 +14,7 @@ import pytest
 from tests.reliability.input_support import InputFleet
 from tests.reliability.stops_support import trainer_processes
 from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
@@ -56,7 +57,10 @@ def test_a_member_container_stopped_mid_run_ends_the_run_and_a_deploy_brings_it_
     # CT 210's workers lose their peers; its torchrun waits at a new rendezvous, then gives up.
     status = fleet.wait_for_status(210, lambda s: s.get("state") == "failed", timeout=180, what="failed run")
     assert status["error"], status
-    assert trainer_processes(fleet, 210) == []  # no run, no stray worker
+    # No run, no stray worker. status.json's `failed` is the launcher's last write before it exits (its
+    # torchrun and workers are gone by then): poll for its exit instead of racing it.
+    assert wait_for(lambda: trainer_processes(fleet, 210) == [], timeout=30, interval=0.5), \
+        trainer_processes(fleet, 210)
 
     fleet.node_sh(211, "pct start 211")
     res = fleet.play("deploy.yml")
