@@ -16,7 +16,7 @@ TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # with its own fleet, so a file's trials never share a container with another file's.
 RELIABILITY_WORKERS ?= 3
 
-.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -62,6 +62,11 @@ test: setup peer-suites ## The test suite (unit, pvesim, roles, playbooks, one m
 test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \
 	  -m 'reliability or reliability_full' $(PYTEST_ARGS)
+
+# One case of every reliability file (tests/reliability/slice_cases.py), at the fast counts: `.ci/run` runs it
+# after make test, so a stale helper or a broken fixture of a file make test skips fails CI.
+test-reliability-slice: setup ## One case of every reliability file, the cheapest (what .ci/run adds to make test).
+	$(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP -m reliability_slice tests/reliability $(PYTEST_ARGS)
 
 # A flaky test is a bug: rerun it under load until its failure rate shows (scripts/flaky.py).
 TEST ?=

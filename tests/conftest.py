@@ -39,7 +39,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `reliability_full`, wherever they are, run only under `make test-reliability`
-    (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability; tests
+    (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability, or when
+    `-m reliability_slice` selects them as a case of the slice (`make test-reliability-slice`); tests
     marked `serve` (or `rehearsal`) only when `-m` names them (`make serve-check`, `make rehearsal`),
     never in a plain run (make test)."""
     skip_full = pytest.mark.skip(reason="full reliability suite only (make test-reliability)")
@@ -58,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
         order[item.path] = min(order.get(item.path, 3), weight)
     items.sort(key=lambda item: order[item.path])  # stable: a file's tests keep their order
     for item in items:
-        if not FULL and item.get_closest_marker("reliability_full"):
+        sliced = "reliability_slice" in selected and item.get_closest_marker("reliability_slice")
+        if not FULL and item.get_closest_marker("reliability_full") and not sliced:
             item.add_marker(skip_full)
         if "serve" not in selected and item.get_closest_marker("serve"):
             item.add_marker(skip_serve)

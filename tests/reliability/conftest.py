@@ -12,14 +12,31 @@ from pathlib import Path
 import pytest
 
 from pvesim.fleet import Fleet
+from tests.reliability.slice_cases import SLICE
 from tests.reliability.stops_support import CONTAINERS
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests/conftest.py's, which reads the markers to skip
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).resolve().parent
+    collected = set()
     for item in items:
-        if here in Path(str(item.fspath)).resolve().parents:
+        path = Path(str(item.fspath)).resolve()
+        if here in path.parents:
             item.add_marker(pytest.mark.reliability)
+            case = item.nodeid.split("::", 1)[-1]
+            collected.add((path.name, case))
+            if SLICE.get(path.name) == case:
+                item.add_marker(pytest.mark.reliability_slice)
+    if "reliability_slice" in (config.getoption("markexpr") or ""):
+        files = {p.name for p in here.glob("test_*.py")}
+        unlisted = sorted(files - set(SLICE))
+        missing = sorted(f"{name}::{case}" for name, case in SLICE.items() if (name, case) not in collected)
+        if unlisted or missing:
+            raise pytest.UsageError(
+                "the reliability slice (tests/reliability/slice_cases.py) must name one collected case of "
+                f"every file of the suite: files without a case: {unlisted or 'none'}; cases not collected: "
+                f"{missing or 'none'}")
 
 
 @pytest.fixture(scope="session")
