@@ -175,8 +175,9 @@ def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_chang
     assert first.rc == 0, first
     lines = example.sim.ssh("pve1", f"pct config {VMID}").stdout.splitlines()
     assert {f"dev{i}: /dev/nvidia{i},gid=44" for i in range(8)} <= set(lines), lines
-    assert f"mp0: {example.node_root}/srv/models,mp=/srv/models,ro=1" in lines, lines
-    assert f"mp3: {example.node_root}/srv/features/{HOST},mp=/srv/features" in lines, lines
+    assert f"mp0: {example.node_root}/srv/models,mp=/srv/models,replicate=0,ro=1" in lines, lines
+    assert f"mp3: {example.node_root}/srv/features/{HOST},mp=/srv/features,replicate=0" in lines, lines
+    assert "features: nesting=1" in lines, lines  # unprivileged, systemd > 241 in the template
     again = example.run(provision)
     assert again.rc == 0 and again.recap[HOST]["changed"] == 0, again
 

@@ -64,8 +64,8 @@ def test_the_container_sees_the_node_files_and_the_read_only_mount_refuses_write
     assert res.rc == 0, res
     assert res.results(CREATE_TASK)[HOST]["created"]
     lines = config_lines(fleet)
-    assert f"mp0: {fleet.node_dir}/models,mp=/srv/models,ro=1" in lines, lines
-    assert f"mp1: {fleet.node_dir}/cache,mp=/srv/cache" in lines, lines
+    assert f"mp0: {fleet.node_dir}/models,mp=/srv/models,replicate=0,ro=1" in lines, lines
+    assert f"mp1: {fleet.node_dir}/cache,mp=/srv/cache,replicate=0" in lines, lines
     # An unprivileged container's root is uid 100000 on the node: the root-owned writable directory is
     # named as one it cannot write on a real node.
     warned = " ".join(res.results(CREATE_TASK)[HOST].get("warnings", []))
@@ -91,16 +91,16 @@ def test_a_changed_mount_is_reported_then_reconciled(fleet):
     res = provision(fleet, changed)
     assert res.rc == 0 and res.stats[HOST]["changed"] == 0, res
     diffs = {d["key"]: d for d in res.results(CREATE_TASK)[HOST]["differences"]}
-    assert diffs["mp0"]["want"] == f"{fleet.node_dir}/models,mp=/srv/models" and not diffs["mp0"]["applied"]
-    assert diffs["mp1"]["want"] == f"{fleet.node_dir}/cache,mp=/srv/features", diffs
+    assert diffs["mp0"]["want"] == f"{fleet.node_dir}/models,mp=/srv/models,replicate=0" and not diffs["mp0"]["applied"]
+    assert diffs["mp1"]["want"] == f"{fleet.node_dir}/cache,mp=/srv/features,replicate=0", diffs
     assert "differs from the inventory and was left as it is: mp0:" in res.stdout
     assert config_lines(fleet) == before
 
     res = provision(fleet, changed, "-e", "proxmox_provision_reconcile=true")
     assert res.rc == 0 and res.stats[HOST]["changed"] >= 1, res
     lines = config_lines(fleet)
-    assert f"mp0: {fleet.node_dir}/models,mp=/srv/models" in lines and \
-        f"mp1: {fleet.node_dir}/cache,mp=/srv/features" in lines, lines
+    assert f"mp0: {fleet.node_dir}/models,mp=/srv/models,replicate=0" in lines and \
+        f"mp1: {fleet.node_dir}/cache,mp=/srv/features,replicate=0" in lines, lines
     # The container restarted with the new mounts: the model directory is writable now, the cache moved.
     assert fleet.ct(NEW, "echo y > /srv/models/new.txt").returncode == 0
     assert (fleet.node_dir / "models" / "new.txt").read_text() == "y\n"

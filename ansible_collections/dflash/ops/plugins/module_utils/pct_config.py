@@ -19,9 +19,12 @@ def device_values(gpus, control_devices, unprivileged, gid):
 
 
 def mount_values(mounts):
-    """The mpN values of the bind mounts, as pve-container writes them (Config.pm print_ct_mountpoint:
-    the node's directory, the default key `volume`, first, then `mp`, then `ro`)."""
-    return [f"{m['node_path']},mp={m['container_path']}" + (",ro=1" if m["read_only"] else "")
+    """The mpN values of the bind mounts, as pve-container writes them (Config.pm print_ct_mountpoint,
+    pve-common's print_property_string: the default key `volume`, the node's directory, first, then the
+    required `mp`, then the rest sorted: `replicate`, `ro`). `replicate=0`: a node's directory is no
+    storage volume a replication job can copy, and a job refuses a container with one it would include
+    (pve-guest-common's replication; Config.pm `$mp_desc`: replicate defaults to 1)."""
+    return [f"{m['node_path']},mp={m['container_path']},replicate=0" + (",ro=1" if m["read_only"] else "")
             for m in mounts]
 
 
@@ -43,6 +46,8 @@ def wanted_config(params):
         "unprivileged": "1" if params["unprivileged"] else "0",
         "onboot": "1" if params["onboot"] else "0",
     }
+    if params["unprivileged"] and params["nesting"]:
+        wanted["features"] = "nesting=1"
     wanted.update({key: str(value) for key, value in sorted(params["networks"].items())})
     values = device_values(params["gpus"], params["control_devices"], params["unprivileged"],
                            params["device_gid"])
@@ -84,14 +89,15 @@ def same(key, have, want):
     if key == "rootfs":  # `local:204/vm-204-disk-0.raw,size=32G` is `local:32`
         storage, size = want.split(":", 1)
         return have.split(":")[0] == storage and properties(have).get("size") == f"{size}G"
-    if re.fullmatch(r"(dev|net)[0-9]+", key):  # the properties the inventory gives, whatever else is set
+    if key == "features" or re.fullmatch(r"(dev|net)[0-9]+", key):  # the properties given, whatever else
         default = "path" if key.startswith("dev") else None
         have_props = properties(have, default)
         return all(have_props.get(k) == v for k, v in properties(want, default).items())
     if re.fullmatch(r"mp[0-9]+", key):  # the node's directory, the container's path and ro, nothing else
         have_props, want_props = properties(have, "volume"), properties(want, "volume")
         return (all(have_props.get(k) == want_props.get(k) for k in ("volume", "mp"))
-                and is_true(have_props.get("ro")) == is_true(want_props.get("ro")))
+                and all(is_true(have_props.get(k, default)) == is_true(want_props.get(k, default))
+                        for k, default in (("ro", "0"), ("replicate", "1"))))
     if key in ("unprivileged", "onboot"):
         return (have or "0") == want
     return have == want

@@ -83,6 +83,13 @@ options:
     description: Start the container when the node boots.
     type: bool
     default: false
+  nesting:
+    description:
+      - In an unprivileged container, C(features nesting=1) (other feature flags the node has are left as they
+        are). systemd newer than 241 needs it there (pve-container's LXC.pm C(check_systemd_nesting) warns
+        without it). Ignored for a privileged container.
+    type: bool
+    default: true
   networks:
     description: >-
       The container's network interfaces, C(netN) to its value, e.g.
@@ -108,7 +115,8 @@ options:
   mounts:
     description:
       - Directories of the node bind mounted into the container at its start (C(mp0), C(mp1), ... in
-        this order, written C(/srv/models,mp=/srv/models,ro=1) as pve-container writes them).
+        this order, written C(/srv/models,mp=/srv/models,replicate=0,ro=1) as pve-container writes
+        them; C(replicate=0): a replication job cannot copy a node's directory).
       - Each O(mounts[].node_path) must be a directory on the node; else nothing is created or changed.
       - In an unprivileged container the node's uids and gids appear shifted (its root is uid 100000 on
         the node); a writable mount whose directory the container's users cannot write is warned about.
@@ -255,6 +263,7 @@ ARGUMENT_SPEC = dict(
     rootfs_size=dict(type="int", default=32),
     unprivileged=dict(type="bool", default=True),
     onboot=dict(type="bool", default=False),
+    nesting=dict(type="bool", default=True),
     networks=dict(type="dict", default={}),
     gpus=dict(type="list", elements="int", default=[]),
     control_devices=dict(type="list", elements="str",
@@ -429,6 +438,19 @@ def create(pct, vmid, template, wanted, start):
                               "proxmox_provision_gpus).")
 
 
+# How long a shutdown waits for the container's init before pct stops it: pct shutdown's own default
+# (pve-container API2/LXC/Status.pm, vm_shutdown: `timeout` 60). No run is live in a container provisioning
+# stops (checked first).
+SHUTDOWN_TIMEOUT = 60
+
+
+def shut_down(pct, vmid):
+    """pct shutdown: the container's init stops its services (a run's SIGTERM, its checkpoint), then, after
+    SHUTDOWN_TIMEOUT, pct stops it (`--forceStop 1`, pct.pm's shutdown; pve-guests' stopall does the same)."""
+    pct.must("shutdown", vmid, "--timeout", SHUTDOWN_TIMEOUT, "--forceStop", "1",
+             timeout=SHUTDOWN_TIMEOUT + START_TIMEOUT)
+
+
 def reconcile(pct, vmid, diffs, running):
     sets = {d["key"]: d["want"] for d in diffs if d["want"] is not None}
     deletes = [d["key"] for d in diffs if d["want"] is None]
@@ -437,7 +459,7 @@ def reconcile(pct, vmid, diffs, running):
     if running and any(k.startswith(("dev", "mp")) for k in [*sets, *deletes]):
         # The passthrough and bind mounts of a running container change at its next start (no live run:
         # checked).
-        pct.must("stop", vmid, timeout=START_TIMEOUT)
+        shut_down(pct, vmid)
         pct.must("start", vmid, timeout=START_TIMEOUT)
 
 
@@ -458,7 +480,7 @@ def provision(pct, p, check_mode, result):
                                   "Stop the run first (playbooks/stop_training.yml).")
             if not check_mode:
                 if running:
-                    pct.must("stop", vmid, timeout=START_TIMEOUT)
+                    shut_down(pct, vmid)
                 pct.must("destroy", vmid, timeout=START_TIMEOUT)
             result.update(changed=True, destroyed=True, diff=dict(before=config_text(before), after=""))
         return
