@@ -116,7 +116,7 @@ options:
     description:
       - Directories of the node bind mounted into the container at its start (C(mp0), C(mp1), ... in
         this order, written C(/srv/models,mp=/srv/models,replicate=0,ro=1) as pve-container writes
-        them; C(replicate=0): a replication job cannot copy a node's directory).
+        them; C(replicate=0) because a replication job cannot copy a node's directory).
       - Each O(mounts[].node_path) must be a directory on the node; else nothing is created or changed.
       - In an unprivileged container the node's uids and gids appear shifted (its root is uid 100000 on
         the node); a writable mount whose directory the container's users cannot write is warned about.
