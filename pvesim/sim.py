@@ -171,7 +171,7 @@ class Sim:
         files.qemu_confdir.mkdir(parents=True, exist_ok=True)
         (files.qemu_confdir / f"{vmid}.conf").write_text(f"memory: 2048\nname: {name or f'vm{vmid}'}\n")
 
-    def set_storage_size(self, node_name, total_gib, storage="local"):
+    def set_storage_size(self, node_name, total_gib, storage="local-lvm"):
         """Resize a storage of a node (what pvesm status reports as its total)."""
         files = _node_files(self, node_name)
         config = json.loads(files.storage_config.read_text())

@@ -14,7 +14,7 @@ description:
     the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
     networks, a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device, and an
     C(mpN) bind mount point for each of O(mounts)), and compares the two.
-  - A container that does not exist is created with C(pct create) from O(template) and started. Before
+  - A container that does not exist is created with C(pct create) from O(template) (unpinned: the newest O(template_name) in the index) and started. Before
     anything is created it checks that the template is on the node's storage (C(pvesm path)), that
     the node has every GPU of O(gpus) (its C(nvidia-smi), by minor number), that no other container of
     the node has one of them passed through (unless O(allow_shared_gpus)), that the vmid is not taken
@@ -49,9 +49,20 @@ options:
     choices: [present, absent]
     default: present
   template:
-    description: The template's volume on the node's storage, e.g.
-      V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst). Required with O(state=present).
+    description:
+      - A pinned template's volume on the node's storage, e.g.
+        V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst).
+      - Unset or empty, the newest O(template_name) that the node's C(pveam available --section system)
+        lists, on O(template_storage).
     type: str
+  template_name:
+    description: The template a create uses without a pinned O(template), by name, without its version.
+    type: str
+    default: debian-12-standard
+  template_storage:
+    description: The storage holding the templates (C(vztmpl) content) without a pinned O(template).
+    type: str
+    default: local
   hostname:
     description: The container's hostname.
     type: str
@@ -68,9 +79,10 @@ options:
     type: int
     default: 0
   rootfs_storage:
-    description: The storage of the root disk.
+    description: The storage of the root disk; it needs C(rootdir) content (C(local-lvm) on a default
+      install, C(local-zfs) on ZFS; C(local) holds none).
     type: str
-    default: local
+    default: local-lvm
   rootfs_size:
     description: Size of the root disk in GiB.
     type: int
@@ -167,6 +179,12 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+template:
+  description: The template volume a create used (or, in check mode, would use); null when nothing was
+    created.
+  returned: always
+  type: str
+  sample: local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst
 exists:
   description: Whether the container existed before.
   returned: always
@@ -234,6 +252,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     passed_devices,
     said,
 )
+from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.pct_config import (
     applied,
     config_differences,
@@ -247,11 +266,13 @@ ARGUMENT_SPEC = dict(
     **PCT_ARGUMENTS,
     state=dict(type="str", choices=["present", "absent"], default="present"),
     template=dict(type="str"),
+    template_name=dict(type="str", default="debian-12-standard"),
+    template_storage=dict(type="str", default="local"),
     hostname=dict(type="str"),
     cores=dict(type="int", default=2),
     memory=dict(type="int", default=8192),
     swap=dict(type="int", default=0),
-    rootfs_storage=dict(type="str", default="local"),
+    rootfs_storage=dict(type="str", default="local-lvm"),
     rootfs_size=dict(type="int", default=32),
     unprivileged=dict(type="bool", default=True),
     onboot=dict(type="bool", default=False),
@@ -471,13 +492,18 @@ def provision(pct, p, check_mode, result):
     result["warnings"] = check_mounts(pct, vmid, p["mounts"], p["unprivileged"])
     wanted = wanted_config(p)
     if not exists:
-        check_template(pct, vmid, p["template"])
+        template, _, error = pve_templates.resolve(pct, p["template"], p["template_name"], p["template_storage"])
+        if error and not template:
+            raise CheckFailed(f"CT {vmid}: no template to create it from on node {pct.node}: {error}. Pin one "
+                              "with proxmox_provision_template.")
+        result["template"] = template
+        check_template(pct, vmid, template)
         check_vmid_free(pct, vmid, wanted["hostname"])
         if not p["allow_shared_gpus"]:
             check_gpus_free(pct, vmid, p["gpus"])
         check_room(pct, vmid, p["rootfs_storage"], p["rootfs_size"])
         if not check_mode:
-            create(pct, vmid, p["template"], wanted, p["start"])
+            create(pct, vmid, template, wanted, p["start"])
         result.update(changed=True, created=True, config=wanted,
                       diff=dict(before="", after=config_text(wanted)))
         return
@@ -536,8 +562,7 @@ def mount_problem(mounts):
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True,
-                           required_if=[("state", "present", ["template"])])
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     p = module.params
     if not p["pct_argv"]:
         module.fail_json(msg="pct_argv is empty: name the command that runs pct, e.g. [/usr/sbin/pct]")
@@ -548,7 +573,7 @@ def main():
         module.fail_json(msg=f"proxmox_provision_mounts: {bad_mount}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
     result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
-                  differences=[], gpu_uuids=[], driver_version=None)
+                  differences=[], gpu_uuids=[], driver_version=None, template=None)
     try:
         provision(Pct(p["pct_argv"], node), p, module.check_mode, result)
     except CheckFailed as exc:
