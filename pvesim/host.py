@@ -111,7 +111,8 @@ def install_pct():
     """Install (or refresh) /usr/sbin/pct, the dispatcher that runs each node's own package's pct, and
     /usr/sbin/pvesm, /usr/bin/pveam and /usr/bin/pvesh, which run each node's own tools; a real Proxmox
     VE tool at one of those paths (without pvesim's marker) is left alone."""
-    _install(PCT_PATH, (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct")).encode())
+    pct = (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct"))
+    _install(PCT_PATH, pct.encode())
     source = (PACKAGE_BIN / "pve-dispatch").read_bytes()
     for path in PVE_TOOL_PATHS:
         if not path.exists() or PVE_TOOLS_MARKER in path.read_text(errors="replace"):

@@ -14,13 +14,14 @@ description:
     the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
     networks, a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device, and an
     C(mpN) bind mount point for each of O(mounts)), and compares the two.
-  - A container that does not exist is created with C(pct create) from O(template) (unpinned: the newest O(template_name) in the index) and started. Before
-    anything is created it checks that the template is on the node's storage (C(pvesm path)), that
-    the node has every GPU of O(gpus) (its C(nvidia-smi), by minor number), that no other container of
-    the node has one of them passed through (unless O(allow_shared_gpus)), that the vmid is not taken
-    by a VM or a container anywhere in the cluster (C(pvesh get /cluster/resources)), and that the root
-    disk's storage has room for it (C(pvesm status)), and that each directory of O(mounts) is on the node.
-    A container whose start fails is destroyed again.
+  - A container that does not exist is created with C(pct create) from O(template) (unpinned: the newest
+    O(template_name) in the node's index) and started. Before anything is created it checks that the
+    template is on the node's storage (C(pvesm path)), that the node has every GPU of O(gpus) (its
+    C(nvidia-smi), by minor number), that no other container of the node has one of them passed through
+    (unless O(allow_shared_gpus)), that the vmid is not taken by a VM or a container anywhere in the
+    cluster (C(pvesh get /cluster/resources)), that the root disk's storage holds container root disks
+    (C(pvesm status --content rootdir)) and has room for it, and that each directory of O(mounts) is on
+    the node. A container whose start fails is destroyed again.
   - An existing container whose config differs is reported with the differences and left alone,
     unless O(reconcile) is set; then only the differing keys change (C(pct set)), and only when
     O(run_live) is false. A changed GPU passthrough or bind mount takes effect by restarting the container.
@@ -237,6 +238,7 @@ import stat
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     GPU_DEVICES,
     PROGRAM,
@@ -252,7 +254,6 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     passed_devices,
     said,
 )
-from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.pct_config import (
     applied,
     config_differences,
@@ -385,9 +386,18 @@ def check_gpus_free(pct, vmid, gpus):
 
 
 def check_room(pct, vmid, storage, size_gib):
-    answer = pct.tool("pvesm", "status", "--storage", storage)
+    """The root disk's storage holds container root disks (pvesm status --content rootdir lists it, as
+    pct create requires) and has room for it."""
+    answer = pct.tool("pvesm", "status", "--content", "rootdir")
     rows = [line.split() for line in answer.stdout.splitlines()[1:]] if answer.rc == 0 else []
     row = next((r for r in rows if r and r[0] == storage), None)
+    if answer.rc == 0 and row is None:
+        listed = ", ".join(r[0] for r in rows if r) or "none"
+        raise CheckFailed(f"CT {vmid}: storage {storage} on node {pct.node} holds no container root disks "
+                          f"(pvesm status --content rootdir lists {listed}; pct create would say: storage "
+                          f"'{storage}' does not support container directories). Fix "
+                          "proxmox_provision_rootfs_storage: local-lvm on a default install, local-zfs on a "
+                          "ZFS one.")
     if row is None or len(row) < 6 or not row[5].isdigit():
         raise CheckFailed(f"CT {vmid}: storage {storage} is not usable on node {pct.node} (pvesm status: "
                           f"{said(answer) or 'no such storage'}). Fix proxmox_provision_rootfs_storage.")
@@ -492,10 +502,11 @@ def provision(pct, p, check_mode, result):
     result["warnings"] = check_mounts(pct, vmid, p["mounts"], p["unprivileged"])
     wanted = wanted_config(p)
     if not exists:
-        template, _, error = pve_templates.resolve(pct, p["template"], p["template_name"], p["template_storage"])
+        template, _, error = pve_templates.resolve(pct, p["template"], p["template_name"],
+                                                   p["template_storage"])
         if error and not template:
-            raise CheckFailed(f"CT {vmid}: no template to create it from on node {pct.node}: {error}. Pin one "
-                              "with proxmox_provision_template.")
+            raise CheckFailed(f"CT {vmid}: no template to create it from on node {pct.node}: {error}. Pin "
+                              "one with proxmox_provision_template.")
         result["template"] = template
         check_template(pct, vmid, template)
         check_vmid_free(pct, vmid, wanted["hostname"])

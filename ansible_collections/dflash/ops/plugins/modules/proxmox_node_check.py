@@ -146,12 +146,12 @@ import socket
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     NvidiaSmiError,
     Query,
     find_executable,
 )
-from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Pct, said
 
 ARGUMENT_SPEC = dict(
@@ -277,8 +277,8 @@ def check_uvm(tools):
 def template_volume(container, index, index_error):
     """(the container's template volume, None) or (None, the failed check)."""
     pinned, name = container["template"], container["template_name"]
-    fix = (f"run pveam update on the node, or pin a template it lists (proxmox_provision_template: "
-           f"<storage>:vztmpl/<file>)")
+    fix = ("run pveam update on the node, or pin a template it lists (proxmox_provision_template: "
+           "<storage>:vztmpl/<file>)")
     if index_error:
         return None, check("template", False, index_error, fix)
     if not pinned:
@@ -295,7 +295,8 @@ def template_volume(container, index, index_error):
         return None, check("template", False, f"{pinned} (pinned by proxmox_provision_template for "
                            f"{container['name']}) is not in the node's index; pveam available --section "
                            f"system lists: {', '.join(index) or 'nothing'}",
-                           f"pin one of those, or leave proxmox_provision_template empty for the newest {name}")
+                           "pin one of those, or leave proxmox_provision_template empty for the newest "
+                           f"{name}")
     return pinned, None
 
 
@@ -341,10 +342,12 @@ def check_installer(tools, storage, driver_version):
 
 def check_rootdir(tools, storage):
     answer = tools.tool("pvesm", "status", "--content", "rootdir")
-    listed = [row.split()[0] for row in answer.stdout.splitlines()[1:] if row.strip()] if answer.rc == 0 else []
+    lines = answer.stdout.splitlines()[1:] if answer.rc == 0 else []
+    listed = [row.split()[0] for row in lines if row.strip()]
     fix = (f"put the root disks on a storage that holds them: proxmox_provision_rootfs_storage: "
-           f"{listed[0] if listed else 'local-lvm'} (local-lvm on a default install, local-zfs on a ZFS one), "
-           f"or add rootdir to the content of storage {storage} (pvesm set {storage} --content ...,rootdir)")
+           f"{listed[0] if listed else 'local-lvm'} (local-lvm on a default install, local-zfs on a ZFS "
+           f"one), or add rootdir to the content of storage {storage} "
+           f"(pvesm set {storage} --content ...,rootdir)")
     if answer.rc != 0:
         return check("rootdir-storage", False, f"pvesm status --content rootdir fails: {said(answer)}", fix)
     ok = storage in listed
