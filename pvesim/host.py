@@ -246,7 +246,7 @@ def sudo_rules(state_dir, user, node_tools, rule_file=None):
         "# PVESIM_NODE (set by the node's sshd), which sudo's env_reset would drop.",
         'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"',
         "# The simulated driver: each node's nvidia-smi reads the processes' environments (root's) as the",
-        "# kernel driver would, so it reruns itself as root for a user other than root.",
+        "# kernel driver would, and its lsmod the driver's state, so they rerun as root for another user.",
         f"{user} ALL = (root) NOPASSWD: {', '.join(str(tool) for tool in node_tools)}",
     ])
 

@@ -61,10 +61,13 @@ class NodeFiles:
         self.gpu_config = self.bin / "nvidia-smi.json"
         self.gpu_dir = self.root / "gpu"
         self.gpu_state = self.gpu_dir / "state.json"
-        # Storage `local` (a dir storage): container templates under template/cache/.
-        self.template_cache = self.root / "storage" / "local" / "template" / "cache"
-        # Other files on storage local (PVE's `snippets` content): the NVIDIA driver's installer.
-        self.snippets = self.root / "storage" / "local" / "snippets"
+        # The storages' files, beside the node's tools, where any user may look (as in a real node's
+        # /var/lib/vz, whereas a state dir may sit under a directory only root can enter); the node's
+        # storage/ links there. Storage `local` (a dir storage): container templates under
+        # template/cache/, other files (PVE's `snippets` content: the NVIDIA driver's installer) in snippets/.
+        self.storage = self.bin.parent / "storage"
+        self.template_cache = self.storage / "local" / "template" / "cache"
+        self.snippets = self.storage / "local" / "snippets"
         # The node's appliance index (pveam available), {section: [template file]}.
         self.template_index = self.root / "aplinfo.json"
         # The node's storages, their types, content types and sizes (what pvesm status reports).
@@ -115,6 +118,8 @@ def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=
     for d in (files.lxcpath, files.pve_confdir, files.qemu_confdir, files.bin, files.gpu_dir,
               files.template_cache, files.snippets):
         d.mkdir(parents=True, exist_ok=True)
+    if not (files.root / "storage").is_symlink():
+        (files.root / "storage").symlink_to(files.storage)
     for d in (files.bin, *files.bin.parents):
         if d == files.bin.parents[3]:  # /run/pvesim and above are not ours to change
             break

@@ -20,7 +20,7 @@ UVM_DEVICES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 def set_pve_version(sim, node_name, version_text):
     """What the node's pveversion reports: `version_text` is PVE::pvecfg's, e.g. "8.0.4/d258a813"."""
-    (node.NodeFiles(sim.state_dir, node_name).root / VERSION_FILE).write_text(f"{version_text}\n")
+    (node.NodeFiles(sim.state_dir, node_name).bin / VERSION_FILE).write_text(f"{version_text}\n")
 
 
 def set_nvidia_uvm(sim, node_name, loaded):

@@ -400,7 +400,8 @@ def _install_node_user(sim):
     host.ensure_node_user(sim.node_user)
     host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
     host.install_sudo_rules(sim.state_dir, sim.node_user,
-                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes], sim.sudo_rule)
+                            [_node_files(sim, n.name).bin / tool for n in sim.nodes
+                             for tool in ("nvidia-smi", "lsmod")], sim.sudo_rule)
 
 
 def _ensure_running(sim):

@@ -10,6 +10,8 @@ import json
 import shlex
 import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,7 +23,8 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 EXAMPLE = REPO / "inventory" / "production.example"
 SIM_GROUP_VARS = REPO / "inventory" / "sim" / "group_vars" / "training_containers.yml"
-USER = "ansible"  # the example's node user (sudoers.d/ansible_pct)
+USER = "ansible"  # the example's node user (sudoers.d/ansible_provision, which covers sudoers.d/ansible_pct)
+PROVISION_RULE = EXAMPLE / "sudoers.d" / "ansible_provision"
 VMID = 200  # the example's container, which the sim does not have until provision.yml creates it
 SECRET = "hf_exampleInventorySecret0123456789"
 SECRETS = json.dumps({"dflash_run_secret_environment": {"HF_TOKEN": SECRET}})
@@ -104,20 +107,24 @@ def node_directories(node_root, assets):
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     base = tmp_path_factory.mktemp("example-inventory")
+    # The node's /srv is readable by its users, the node user among them (provisioning checks each mount
+    # as that user): not under pytest's directory, which only root may enter.
+    node_root = Path(tempfile.mkdtemp(prefix="dflash-example-node-"))
+    node_root.chmod(0o755)
     # A node with eight GPUs and none of the example's containers: its one container (CT 290, no GPUs)
     # is only the sim's, not in the copied inventory.
     sim = up(nodes=1, containers=(290,), gpus=8, gpu_passthrough={290: []}, node_user=USER,
-             state_dir=base / "state", inventory=base / "sim-hosts.yml")
+             sudo_rule=PROVISION_RULE, state_dir=base / "state", inventory=base / "sim-hosts.yml")
     try:
         inventory = base / "inventory"
         shutil.copytree(EXAMPLE, inventory)
-        node_root = base / "node"
         node_directories(node_root, prepare_assets())
         apply_overrides(inventory, sim_overrides(sim, node_root))
         src = snapshot_source(base / "src")
         yield sim, inventory, src, node_root
     finally:
         down(sim.state_dir)
+        shutil.rmtree(node_root, ignore_errors=True)
 
 
 def play(example, playbook, *args):
@@ -130,16 +137,25 @@ def ct(example, command):
     return example[0].ssh("pve1", f"/usr/sbin/pct exec {VMID} -- /bin/sh -c {shlex.quote(command)}")
 
 
+def test_the_preflight_passes_as_the_node_user_with_the_example_s_settings(example):
+    res = play(example, "preflight_node.yml")
+    assert res.rc == 0, res.messages()
+    checklist = res.results("Show the node's checklist.")["pve1"]["msg"]
+    assert "PASS rootdir-storage: storage local-lvm holds container root disks" in checklist, checklist
+    assert any(line.startswith("PASS storage-room: storage local-lvm is active, ") and
+               line.endswith(f"(needs 200, for ct{VMID})") for line in checklist), checklist
+
+
 def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_changes_nothing(example):
-    # The sim's pvesm and pvesh are not at production's paths for a sudo rule: provisioning logs in as
-    # root (the day-to-day playbooks below run as the node user).
-    first = play(example, "provision.yml", "-e", "ansible_user=root")
-    assert first.rc == 0, first
+    # As the node user, through sudo with the example's rule for preflight and provision.
+    first = play(example, "provision.yml")
+    assert first.rc == 0, first.messages()
     lines = example[0].ssh("pve1", f"pct config {VMID}").stdout.splitlines()
+    assert f"rootfs: local-lvm:vm-{VMID}-disk-0,size=200G" in lines, lines
     assert {f"dev{i}: /dev/nvidia{i},gid=44" for i in range(8)} <= set(lines), lines
     assert f"mp0: {example[3]}/srv/models,mp=/srv/models,ro=1" in lines, lines
     assert f"mp3: {example[3]}/srv/features/ct{VMID},mp=/srv/features" in lines, lines
-    again = play(example, "provision.yml", "-e", "ansible_user=root")
+    again = play(example, "provision.yml")
     assert again.rc == 0 and again.stats[f"ct{VMID}"]["changed"] == 0, again
 
 
