@@ -116,3 +116,15 @@ def test_the_tools_answer_at_their_absolute_paths_through_sudo(store):
     assert forged.returncode == 0 and "local-lvm" in forged.stdout
     assert [v["vmid"] for v in json.loads(as_user(
         "sudo -n /usr/bin/pvesh get /cluster/resources --type vm --output-format json").stdout)] == [420]
+
+
+def test_production_s_pct_rule_alone_refuses_the_storage_tools(sim_factory):
+    """sudoers.d/ansible_pct grants pct only: preflight and provision need sudoers.d/ansible_provision.
+    A user of its own: sudo's rules are the machine's, and another sim up gives `ansible` the broad one."""
+    user = "pct-only"
+    s = sim_factory(nodes=1, containers=(430,), gpus=0, node_user=user)
+    for tool in ("/usr/sbin/pvesm status", "/usr/bin/pveam available",
+                 "/usr/bin/pvesh get /cluster/resources"):
+        refused = s.ssh("pve1", f"sudo -n {tool}", user=user)
+        assert refused.returncode == 1 and "a password is required" in refused.stderr, refused
+    assert s.ssh("pve1", "sudo -n /usr/sbin/pct list", user=user).returncode == 0
