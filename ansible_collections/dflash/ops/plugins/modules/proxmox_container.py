@@ -14,7 +14,7 @@ description:
     the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
     networks, a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device, and an
     C(mpN) bind mount point for each of O(mounts)), and compares the two.
-  - A container that does not exist is created with C(pct create) from O(template) (unpinned: the newest
+  - A container that does not exist is created with C(pct create) from O(template) (unpinned, the newest
     O(template_name) in the node's index) and started. Before anything is created it checks that the
     template is on the node's storage (C(pvesm path)), that the node has every GPU of O(gpus) (its
     C(nvidia-smi), by minor number), that no other container of the node has one of them passed through

@@ -20,14 +20,14 @@ description:
     container needs it passed through).
   - The items below check what the node's containers of O(containers) are created with, each distinct
     template and storage once.
-  - C(template) - a container's template is in the node's index (C(pveam available --section system)):
+  - C(template) - a container's template is in the node's index (C(pveam available --section system)),
     a pinned one as it is, else the newest of its name; and it is on its storage (C(pveam list
     <storage>)), or is downloaded there with C(pveam download <storage> <file>) when O(download_template)
     is set. A pinned template the index does not list fails, naming those it does.
   - C(nvidia-installer) - NVIDIA's installer of the node's driver version,
     C(NVIDIA-Linux-x86_64-<version>.run), is on a container's nvidia storage (C(pvesm path
     <storage>:snippets/<file>)), where the proxmox_provision role takes it from.
-  - C(rootdir-storage) - a container's root disk storage holds container root disks: C(pvesm status
+  - C(rootdir-storage) - a container's root disk storage holds container root disks, C(pvesm status
     --content rootdir) lists it (a default install's C(local) does not; C(local-lvm) or C(local-zfs) do).
   - C(storage-room) - that storage is active and has room for the root disks of the containers the
     cluster does not have yet (C(pvesh get /cluster/resources)), or O(min_free_gib) GiB when set
