@@ -98,7 +98,7 @@ def proxmox_config(vmid, gpu_indices, hostname=None, address=None):
         lines += [f"net0: name=eth0,bridge=vmbr0,ip={address}/8,type=veth"]
     lines += [
         "ostype: debian",
-        f"rootfs: local:{vmid}/vm-{vmid}-disk-0.raw,size=32G",
+        f"rootfs: local-lvm:vm-{vmid}-disk-0,size=32G",
         "swap: 0",
     ]
     return "".join(f"{line}\n" for line in lines)

@@ -29,6 +29,9 @@ RUN_DIR = Path("/run/pvesim")
 REGISTRY = RUN_DIR / "sims"
 LOCK_FILE = RUN_DIR / "lock"
 PCT_MARKER = "pct for pvesim"
+# pvesm, pveam and pvesh at a real node's paths (pvesim/bin/pve-dispatch runs the calling node's own).
+PVE_TOOL_PATHS = (Path("/usr/sbin/pvesm"), Path("/usr/bin/pveam"), Path("/usr/bin/pvesh"))
+PVE_TOOLS_MARKER = "pve tools for pvesim"
 # Where each node's tools (its nvidia-smi) live: a node user must be able to run them, and a sim's state
 # dir may sit under a directory only root can enter (pytest's /tmp/pytest-of-root).
 NODE_TOOLS = RUN_DIR / "nodes"
@@ -96,24 +99,35 @@ def registered_state_dirs():
     return sorted(dirs)
 
 
-def install_pct():
-    """Install (or refresh) /usr/sbin/pct: the dispatcher that runs each node's own package's pct."""
-    source = (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct")).encode()
-    if not PCT_PATH.exists() or PCT_PATH.read_bytes() != source:
-        tmp = PCT_PATH.with_name(".pct.pvesim-tmp")
+def _install(path, source):
+    if not path.exists() or path.read_bytes() != source:
+        tmp = path.with_name(f".{path.name}.pvesim-tmp")
         tmp.write_bytes(source)
         tmp.chmod(0o755)
-        tmp.replace(PCT_PATH)
+        tmp.replace(path)
+
+
+def install_pct():
+    """Install (or refresh) /usr/sbin/pct, the dispatcher that runs each node's own package's pct, and
+    /usr/sbin/pvesm, /usr/bin/pveam and /usr/bin/pvesh, which run each node's own tools; a real Proxmox
+    VE tool at one of those paths (without pvesim's marker) is left alone."""
+    pct = (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct"))
+    _install(PCT_PATH, pct.encode())
+    source = (PACKAGE_BIN / "pve-dispatch").read_bytes()
+    for path in PVE_TOOL_PATHS:
+        if not path.exists() or PVE_TOOLS_MARKER in path.read_text(errors="replace"):
+            _install(path, source)
 
 
 def remove_shared_files_if_unused():
-    """Remove the node users no registered sim names, and /usr/sbin/pct once no sim is registered (and
-    only if it is ours, not a real Proxmox pct)."""
+    """Remove the node users no registered sim names, and /usr/sbin/pct and the other tools once no sim
+    is registered (and only if they are ours, not a real Proxmox VE's)."""
     remove_node_users_if_unused()
     if registered_state_dirs():
         return
-    if PCT_PATH.is_file() and PCT_MARKER in PCT_PATH.read_text(errors="replace"):
-        PCT_PATH.unlink()
+    for path, marker in ((PCT_PATH, PCT_MARKER), *((p, PVE_TOOLS_MARKER) for p in PVE_TOOL_PATHS)):
+        if path.is_file() and marker in path.read_text(errors="replace"):
+            path.unlink()
     shutil.rmtree(REGISTRY, ignore_errors=True)
 
 
@@ -232,7 +246,7 @@ def sudo_rules(state_dir, user, node_tools, rule_file=None):
         "# PVESIM_NODE (set by the node's sshd), which sudo's env_reset would drop.",
         'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"',
         "# The simulated driver: each node's nvidia-smi reads the processes' environments (root's) as the",
-        "# kernel driver would, so it reruns itself as root for a user other than root.",
+        "# kernel driver would, and its lsmod the driver's state, so they rerun as root for another user.",
         f"{user} ALL = (root) NOPASSWD: {', '.join(str(tool) for tool in node_tools)}",
     ])
 

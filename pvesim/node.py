@@ -61,11 +61,16 @@ class NodeFiles:
         self.gpu_config = self.bin / "nvidia-smi.json"
         self.gpu_dir = self.root / "gpu"
         self.gpu_state = self.gpu_dir / "state.json"
-        # Storage `local` (a dir storage): container templates under template/cache/.
-        self.template_cache = self.root / "storage" / "local" / "template" / "cache"
-        # Other files on storage local (PVE's `snippets` content): the NVIDIA driver's installer.
-        self.snippets = self.root / "storage" / "local" / "snippets"
-        # The node's storages and their sizes (what pvesm status reports).
+        # The storages' files, beside the node's tools, where any user may look (as in a real node's
+        # /var/lib/vz, whereas a state dir may sit under a directory only root can enter); the node's
+        # storage/ links there. Storage `local` (a dir storage): container templates under
+        # template/cache/, other files (PVE's `snippets` content: the NVIDIA driver's installer) in snippets/.
+        self.storage = self.bin.parent / "storage"
+        self.template_cache = self.storage / "local" / "template" / "cache"
+        self.snippets = self.storage / "local" / "snippets"
+        # The node's appliance index (pveam available), {section: [template file]}.
+        self.template_index = self.root / "aplinfo.json"
+        # The node's storages, their types, content types and sizes (what pvesm status reports).
         self.storage_config = self.root / "storage.json"
         # The node's VMs (pvesim models only their configs: vmids are cluster-wide unique).
         self.qemu_confdir = self.root / "pve" / "qemu-server"
@@ -89,8 +94,22 @@ class NodeFiles:
 
 # The template `pct create` finds on storage local (an empty stand-in: containers share the machine's root).
 TEMPLATE = "debian-12-standard_12.7-1_amd64.tar.zst"
-# Storage local's size: a dir storage on the node's root filesystem.
-STORAGE_LOCAL_GIB = 1024
+# The node's appliance index (what `pveam update` fetched from download.proxmox.com: its `system` and
+# `turnkeylinux` sections, abridged), TEMPLATE the newest debian-12-standard in it;
+# prerequisites.move_template_index moves it on to NEWER_TEMPLATE.
+TEMPLATE_INDEX = {
+    "system": ["alpine-3.20-default_20240908_amd64.tar.xz", "debian-11-standard_11.7-1_amd64.tar.zst",
+               TEMPLATE, "ubuntu-24.04-standard_24.04-2_amd64.tar.zst"],
+    "turnkeylinux": ["debian-12-turnkey-core_18.0-1_amd64.tar.gz"],
+}
+NEWER_TEMPLATE = "debian-12-standard_12.12-1_amd64.tar.zst"
+# A default Proxmox VE 8 install's storages (pve-installer's storage.cfg on LVM): `local`, a dir storage
+# on the root filesystem for ISO images, templates and backups, and `local-lvm`, the LVM-thin pool
+# `data` for container and VM disks. The sizes are pvesim's (room: Sim.set_storage_size).
+DEFAULT_STORAGES = {
+    "local": {"type": "dir", "total_gib": 96, "content": ["backup", "iso", "vztmpl"]},
+    "local-lvm": {"type": "lvmthin", "total_gib": 1024, "content": ["images", "rootdir"]},
+}
 
 
 def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=None):
@@ -99,6 +118,8 @@ def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=
     for d in (files.lxcpath, files.pve_confdir, files.qemu_confdir, files.bin, files.gpu_dir,
               files.template_cache, files.snippets):
         d.mkdir(parents=True, exist_ok=True)
+    if not (files.root / "storage").is_symlink():
+        (files.root / "storage").symlink_to(files.storage)
     for d in (files.bin, *files.bin.parents):
         if d == files.bin.parents[3]:  # /run/pvesim and above are not ours to change
             break
@@ -134,7 +155,8 @@ LogLevel INFO
                          ("lsmod", "pve-node-tools")):
         shutil.copyfile(PACKAGE_BIN / source, files.bin / tool)
         (files.bin / tool).chmod(0o755)
-    files.storage_config.write_text(json.dumps({"local": {"type": "dir", "total_gib": STORAGE_LOCAL_GIB}}))
+    files.storage_config.write_text(json.dumps(DEFAULT_STORAGES))
+    files.template_index.write_text(json.dumps(TEMPLATE_INDEX))
     installer = files.snippets / f"NVIDIA-Linux-x86_64-{DRIVER_VERSION}.run"
     installer.write_text(nvidia_installer())
     installer.chmod(0o755)

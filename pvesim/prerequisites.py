@@ -1,19 +1,17 @@
 """A node's prerequisites as pvesim models them, and faults in them on demand: its Proxmox VE version, its
-NVIDIA driver's nvidia_uvm module, and the mirror `pveam download` copies templates from. The node's
+NVIDIA driver's nvidia_uvm module, and the appliance index `pveam available` lists. The node's
 tools (pvesim/bin/pve-node-tools: pveversion, pveam, lsmod) read what these write; the template and the
 NVIDIA installer are plain files on the node's storage (node.NodeFiles.template_cache, .snippets).
 docs/PVESIM.md lists each with the real behaviour it follows."""
 
 import fcntl
 import json
-from pathlib import Path
 
 from . import node
 
-# Read by pve-node-tools (the same names and default there): the node's PVE::pvecfg version_text (a
-# current 8.x node's by default), and the sim's mirror.
+# Read by pve-node-tools (the same name and default there): the node's PVE::pvecfg version_text (a
+# current 8.x node's by default).
 VERSION_FILE = "pve-manager.version"
-MIRROR_DIR = "mirror"
 DEFAULT_VERSION = "8.2.4/faa83925c9641325"
 # The device nodes the driver's nvidia-uvm module makes (CUDA needs them; pct start checks passthrough of
 # them against the node's devices).
@@ -22,7 +20,7 @@ UVM_DEVICES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 def set_pve_version(sim, node_name, version_text):
     """What the node's pveversion reports: `version_text` is PVE::pvecfg's, e.g. "8.0.4/d258a813"."""
-    (node.NodeFiles(sim.state_dir, node_name).root / VERSION_FILE).write_text(f"{version_text}\n")
+    (node.NodeFiles(sim.state_dir, node_name).bin / VERSION_FILE).write_text(f"{version_text}\n")
 
 
 def set_nvidia_uvm(sim, node_name, loaded):
@@ -39,9 +37,13 @@ def set_nvidia_uvm(sim, node_name, loaded):
         tmp.replace(state)
 
 
-def mirror(sim):
-    """The directory that stands for download.proxmox.com's templates (made if missing): `pveam
-    available` lists its files, `pveam download <storage> <file>` copies one onto the storage."""
-    path = Path(sim.state_dir) / MIRROR_DIR
-    path.mkdir(exist_ok=True)
-    return path
+def move_template_index(sim, node_name=None):
+    """The appliance index moved on, as `pveam update` finds it one day: the newer debian-12-standard
+    (node.NEWER_TEMPLATE) replaces the old one in each node's index (or `node_name`'s only). What the
+    storages hold stays; `pveam download` of the old name is refused from then on."""
+    for name in [node_name] if node_name else [n.name for n in sim.nodes]:
+        files = node.NodeFiles(sim.state_dir, name)
+        index = json.loads(files.template_index.read_text())
+        index["system"] = sorted([t for t in index["system"] if not t.startswith("debian-12-standard_")]
+                                 + [node.NEWER_TEMPLATE])
+        files.template_index.write_text(json.dumps(index))

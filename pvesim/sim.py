@@ -171,7 +171,7 @@ class Sim:
         files.qemu_confdir.mkdir(parents=True, exist_ok=True)
         (files.qemu_confdir / f"{vmid}.conf").write_text(f"memory: 2048\nname: {name or f'vm{vmid}'}\n")
 
-    def set_storage_size(self, node_name, total_gib, storage="local"):
+    def set_storage_size(self, node_name, total_gib, storage="local-lvm"):
         """Resize a storage of a node (what pvesm status reports as its total)."""
         files = _node_files(self, node_name)
         config = json.loads(files.storage_config.read_text())
@@ -400,7 +400,8 @@ def _install_node_user(sim):
     host.ensure_node_user(sim.node_user)
     host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
     host.install_sudo_rules(sim.state_dir, sim.node_user,
-                            [_node_files(sim, n.name).bin / "nvidia-smi" for n in sim.nodes], sim.sudo_rule)
+                            [_node_files(sim, n.name).bin / tool for n in sim.nodes
+                             for tool in ("nvidia-smi", "lsmod")], sim.sudo_rule)
 
 
 def _ensure_running(sim):

@@ -5,6 +5,7 @@ LXC/Tools.pm). Beside pvesim/bin/pct, which imports it from its own directory; s
 pct, which runs under the machine's python3 outside any virtual environment.
 """
 
+import json
 import os
 import re
 
@@ -179,6 +180,26 @@ class ConfigOptions:
         return name in self.PLAIN or bool(re.fullmatch(r"(dev|net|mp)[0-9]+", name))
 
 
+# The volume a storage of each type allocates for a container's first disk (pve-storage's alloc_image:
+# DirPlugin `<vmid>/vm-<vmid>-disk-0.raw`, LvmThinPlugin `vm-<vmid>-disk-0`, ZFSPoolPlugin's subvol).
+DISK_VOLUMES = {"dir": "{vmid}/vm-{vmid}-disk-0.raw", "lvmthin": "vm-{vmid}-disk-0",
+                "zfspool": "subvol-{vmid}-disk-0"}
+
+
+def root_disk(node, vmid, storage, size):
+    """The rootfs value of a new `<storage>:<GiB>` disk, refused as API2/LXC.pm's create_vm refuses it:
+    a storage that does not exist (storage_check_enabled), one without `rootdir` content
+    ($check_and_activate_storage)."""
+    with open(os.path.join(node.root, "storage.json")) as f:
+        store = json.load(f).get(storage)
+    if store is None:
+        raise PctError(f"storage '{storage}' does not exist")
+    if "rootdir" not in store.get("content", []):
+        raise PctError(f"400 Parameter verification failed.\nstorage: storage '{storage}' does not support "
+                       "container directories\npct create <vmid> <ostemplate> [OPTIONS]")
+    return f"{storage}:{DISK_VOLUMES[store['type']].format(vmid=vmid)},size={size}G"
+
+
 def check_option(node, vmid, key, value):
     """The value written to the config for one option, checked as the API's JSON schema checks it."""
     def fail(why):
@@ -201,10 +222,7 @@ def check_option(node, vmid, key, value):
         match = re.fullmatch(r"([a-z][a-z0-9\-_.]*):([0-9]+(\.[0-9]+)?)", value)
         if not match:
             fail(f"invalid format - value '{value}' (want STORAGE:SIZE_IN_GiB)")
-        storage, size = match.group(1), match.group(2)
-        if not os.path.isdir(os.path.join(node.root, "storage", storage)):
-            raise PctError(f"storage '{storage}' does not exist")
-        value = f"{storage}:{vmid}/vm-{vmid}-disk-0.raw,size={size}G"
+        value = root_disk(node, vmid, match.group(1), match.group(2))
     elif key == "startup":  # pve-common's pve-startup-order format
         if not re.fullmatch(r"((order=\d+|up=\d+|down=\d+)(,|$))+", value):
             fail(f"invalid format - value '{value}'")

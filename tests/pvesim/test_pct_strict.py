@@ -52,11 +52,11 @@ def test_pct_runs_as_root_only(lone):
 
 def test_create_set_list_and_destroy(lone):
     template = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
-    res = lone.ssh("pve1", f"pct create 401 {template} --cores 2 --memory 1024 --swap 0 --rootfs local:8 "
+    res = lone.ssh("pve1", f"pct create 401 {template} --cores 2 --memory 1024 --swap 0 --rootfs local-lvm:8 "
                            "--unprivileged 1 --onboot 0 --net0 name=eth0,bridge=vmbr0,ip=dhcp")
     assert res.returncode == 0, res.stderr
     config = lone.ssh("pve1", "pct config 401").stdout.splitlines()
-    assert "rootfs: local:401/vm-401-disk-0.raw,size=8G" in config and "unprivileged: 1" in config
+    assert "rootfs: local-lvm:vm-401-disk-0,size=8G" in config and "unprivileged: 1" in config
     rows = [line.split() for line in lone.ssh("pve1", "pct list").stdout.splitlines()]
     assert ["401", "stopped", "CT401"] in rows  # no hostname: named CT<vmid>
     again = lone.ssh("pve1", f"pct create 401 {template}")

@@ -60,7 +60,12 @@ CASES = [
          ("the inventory gives ct205 and ct200 and ct202", "vmid 205",
           "Give each container its own proxmox_vmid")),
     Case("A storage without room", {"proxmox_provision_rootfs_size": 5000},
-         ("storage local on node pve1 has", "its root disk needs 5000 GiB", "proxmox_provision_rootfs_size")),
+         ("storage local-lvm on node pve1 has", "its root disk needs 5000 GiB",
+          "proxmox_provision_rootfs_size")),
+    Case("A root disk on a storage without rootdir content", {"proxmox_provision_rootfs_storage": "local"},
+         ("storage local on node pve1 holds no container root disks (pvesm status --content rootdir lists "
+          "local-lvm", "does not support container directories",
+          "proxmox_provision_rootfs_storage: local-lvm")),
     Case("A passthrough device the node lacks",
          {"proxmox_provision_control_devices": ["/dev/nvidiactl", "/dev/nvidia-caps/nvidia-cap1"]},
          ("did not start (pct start 205, exit 2): Device /dev/nvidia-caps/nvidia-cap1 does not exist",

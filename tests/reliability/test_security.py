@@ -117,9 +117,17 @@ def test_an_unknown_host_key_is_refused_by_the_node_and_the_container_connection
     assert ping("pve1").returncode == 0 and ping("ct350").returncode == 0
 
 
-def sudo_rules():
-    lines = [line.strip() for line in SUDOERS.read_text().splitlines()]
+def sudo_rules(path=SUDOERS):
+    lines = [line.strip() for line in path.read_text().splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_provision_rule_grants_pct_and_the_storage_tools_by_their_absolute_paths():
+    rules = sudo_rules(SUDOERS.with_name("ansible_provision"))
+    assert rules == ["ansible ALL = (root) NOPASSWD: "
+                     "/usr/sbin/pct, /usr/sbin/pvesm, /usr/bin/pveam, /usr/bin/pvesh"]
+    for doc in ("README.md", "sudoers.d/ansible_pct"):
+        assert "sudoers.d/ansible_provision" in (SUDOERS.parents[1] / doc).read_text()
 
 
 def test_the_sudo_rule_grants_pct_and_nothing_else():

@@ -13,6 +13,7 @@ import json
 import shlex
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,10 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 EXAMPLE = REPO / "inventory" / "production.example"
 SIM_GROUP_VARS = REPO / "inventory" / "sim" / "group_vars" / "training_containers.yml"
+# The README's node user other than root (`ansible_user: ansible`), under the example's rule for the
+# preflight and provisioning, which covers the pct rule of the other playbooks.
+USER = "ansible"
+PROVISION_RULE = EXAMPLE / "sudoers.d" / "ansible_provision"
 VMID = 200  # the example's container, which the sim does not have until provision.yml creates it
 HOST = f"ct{VMID}"
 SECRET = "hf_exampleInventorySecret0123456789"
@@ -55,18 +60,19 @@ def sim_overrides(sim, node_root):
     example_mounts = yaml.safe_load((EXAMPLE / "group_vars" / "training_containers.yml").read_text())[
         "proxmox_provision_mounts"]
     return {
-        # The node is the sim's sshd for pve1 on loopback, logged in to with the sim's key, its host key
-        # checked against the sim's known_hosts (the example keeps checking on).
+        # The node is the sim's sshd for pve1 on loopback, logged in to as the README's node user with the
+        # sim's key, its host key checked against the sim's known_hosts (the example keeps checking on).
         ("hosts.yml", "pve1"): {
-            "ansible_host": pve1.address, "ansible_port": pve1.port,
+            "ansible_host": pve1.address, "ansible_port": pve1.port, "ansible_user": USER,
             "ansible_ssh_private_key_file": str(sim.private_key),
             "ansible_ssh_common_args":
                 f"-o UserKnownHostsFile={sim.known_hosts} -o StrictHostKeyChecking=yes",
             "ansible_python_interpreter": NODE_PYTHON,
         },
-        # The container is reached through that node (same address, port and key).
+        # The container is reached through that node (same address, port, user and key).
         ("hosts.yml", HOST): {
-            key: container[key] for key in ("ansible_host", "ansible_port", "ansible_private_key_file")
+            key: container[key] for key in ("ansible_host", "ansible_port", "ansible_user",
+                                            "ansible_private_key_file")
         },
         # The node's directories live under the test's own directory (the sim's node is this machine),
         # not in this machine's /srv.
@@ -127,20 +133,24 @@ class Example:
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     base = tmp_path_factory.mktemp("example-inventory")
+    # The node's /srv is readable by its users, the node user among them (provisioning checks each mount
+    # as that user): not under pytest's directory, which only root may enter.
+    node_root = Path(tempfile.mkdtemp(prefix="dflash-example-node-"))
+    node_root.chmod(0o755)
     # A node with eight GPUs and none of the example's containers: its one container (CT 290, no GPUs)
     # is only the sim's, not in the copied inventory.
-    sim = up(nodes=1, containers=(290,), gpus=8, gpu_passthrough={290: []}, state_dir=base / "state",
-             inventory=base / "sim-hosts.yml")
+    sim = up(nodes=1, containers=(290,), gpus=8, gpu_passthrough={290: []}, node_user=USER,
+             sudo_rule=PROVISION_RULE, state_dir=base / "state", inventory=base / "sim-hosts.yml")
     try:
         root = checkout(base / "checkout")
         copied = run_command(readme_command("cp", "inventory/production.example"), root)
         assert copied.rc == 0, copied
-        node_root = base / "node"
         node_directories(node_root, prepare_assets())
         apply_overrides(root / "inventory" / "production", sim_overrides(sim, node_root))
         yield Example(sim, root, node_root)
     finally:
         down(sim.state_dir)
+        shutil.rmtree(node_root, ignore_errors=True)
 
 
 def pidfile(example):
@@ -167,6 +177,9 @@ def test_the_readme_names_every_command_this_test_runs():
 def test_the_node_preflight_passes_on_a_fresh_node(example):
     res = example.run(readme_command("ansible-playbook", "playbooks/preflight_node.yml"))
     assert res.rc == 0, res
+    # The checks of the containers' own settings (the example's 200 GiB root disk on local-lvm).
+    assert "PASS rootdir-storage: storage local-lvm holds container root disks" in res.stdout, res
+    assert f"(needs 200, for {HOST})" in res.stdout, res
 
 
 def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_changes_nothing(example):
@@ -174,6 +187,7 @@ def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_chang
     first = example.run(provision)
     assert first.rc == 0, first
     lines = example.sim.ssh("pve1", f"pct config {VMID}").stdout.splitlines()
+    assert f"rootfs: local-lvm:vm-{VMID}-disk-0,size=200G" in lines, lines
     assert {f"dev{i}: /dev/nvidia{i},gid=44" for i in range(8)} <= set(lines), lines
     assert f"mp0: {example.node_root}/srv/models,mp=/srv/models,replicate=0,ro=1" in lines, lines
     assert f"mp3: {example.node_root}/srv/features/{HOST},mp=/srv/features,replicate=0" in lines, lines

@@ -1,9 +1,12 @@
-"""playbooks/preflight_node.yml: a node's prerequisites as a checklist. A good node passes every item; a node
-without nvidia-uvm, with an old Proxmox VE, without the template or without NVIDIA's installer fails,
-naming the item and its fix, while the other items still pass; a missing template is downloaded when
-asked (pvesim's `pveam download` copies from the sim's mirror), and only reported in check mode.
+"""playbooks/preflight_node.yml: a node's prerequisites as a checklist, checked against the settings the
+node's training containers are created with. A good node passes every item; a node without nvidia-uvm,
+with an old Proxmox VE, without the template or without NVIDIA's installer fails, naming the item and its
+fix, while the other items still pass; so does a root disk storage without rootdir content, a container
+still to create that does not fit, and a pinned template the index no longer lists. Once the index moves
+on, the newest template is downloaded when asked, and only reported in check mode.
 The faults are made in a small sim of this file's, one at a time (each undone), never in the session's."""
 
+import json
 import re
 import subprocess
 
@@ -11,11 +14,12 @@ import pytest
 
 import pvesim
 from pvesim import node, prerequisites
-from pvesim.fleet import REPO, VENV_BIN, ansible_env
+from pvesim.fleet import REPO, SIM_GROUP_VARS, VENV_BIN, ansible_env
 
 pytestmark = pytest.mark.sim
 
-ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "template", "nvidia-installer", "storage-room"]
+ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "template", "nvidia-installer", "rootdir-storage",
+         "storage-room"]
 TEMPLATE = "local:vztmpl/" + node.TEMPLATE
 CHECKLIST_TASK = "Show the node's checklist."
 
@@ -37,9 +41,13 @@ def checklist(res, host="pve1"):
 
 @pytest.fixture(scope="module")
 def node_sim(tmp_path_factory):
-    """pve1 with CT 370 and one GPU, for the faults (each test undoes its own)."""
+    """pve1 with CT 370 and one GPU, for the faults (each test undoes its own); the sim's group_vars name
+    each container's node (proxmox_node), as an operator's inventory does."""
     base = tmp_path_factory.mktemp("node-faults")
-    s = pvesim.up(nodes=1, containers=(370,), gpus=1, state_dir=base / "state", inventory=base / "hosts.yml")
+    (base / "inventory").mkdir()
+    (base / "inventory" / "group_vars").symlink_to(SIM_GROUP_VARS)
+    s = pvesim.up(nodes=1, containers=(370,), gpus=1, state_dir=base / "state",
+                  inventory=base / "inventory" / "hosts.yml")
     yield s
     pvesim.down(s.state_dir)
 
@@ -90,7 +98,7 @@ def fault_no_installer(s):
      "modprobe nvidia-uvm && nvidia-modprobe -u -c=0"),
     (fault_old_version, "pve-version", "Proxmox VE 8.0.4 (needs 8.1+)", "upgrade the node to Proxmox VE 8.1"),
     (fault_no_template, "template", f"{TEMPLATE} is not on storage local (pveam list local)",
-     f"pveam update && pveam download local {node.TEMPLATE}"),
+     f"pveam download local {node.TEMPLATE}"),
     (fault_no_installer, "nvidia-installer", f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run is missing",
      f"https://download.nvidia.com/XFree86/Linux-x86_64/{node.DRIVER_VERSION}/"),
 ], ids=["no-nvidia-uvm", "old-pve", "no-template", "no-installer"])
@@ -114,25 +122,58 @@ def test_a_node_lacking_one_item_fails_naming_it_and_its_fix(node_sim, fault, it
     assert not [name for name in ITEMS if name != item and f"FAIL {name}: " in failure]
 
 
-def test_a_missing_template_is_downloaded_when_asked(node_sim):
-    fault_no_template(node_sim)
-    cached = template_file(node_sim)
-    download = ("-e", "proxmox_host_prerequisites_download_template=true")
-    # Not in the mirror (pveam's appliance index): pveam refuses it, and the item fails saying so.
-    res = preflight_node(node_sim, *download)
-    assert res.returncode != 0
-    verdict, line = checklist(res)["template"]
-    assert verdict == "FAIL" and "template: no such template" in line, line
+def only_failure(res, item):
+    """The line of the one item that fails (the others pass)."""
+    items = checklist(res)
+    assert res.returncode != 0 and [name for name, (v, _) in items.items() if v == "FAIL"] == [item], items
+    return items[item][1]
 
-    (prerequisites.mirror(node_sim) / node.TEMPLATE).write_bytes(b"template")
-    check = preflight_node(node_sim, *download, "--check")
-    assert check.returncode == 0, check.stdout
-    assert "would be downloaded (pveam download local" in checklist(check)["template"][1]
-    assert not cached.exists()
 
-    res = preflight_node(node_sim, *download)
-    assert res.returncode == 0, res.stdout
-    downloaded = f"{TEMPLATE} downloaded (pveam download local {node.TEMPLATE})"
-    assert checklist(res)["template"] == ("PASS", downloaded)
-    assert cached.read_bytes() == b"template"
-    assert re.search(r"pve1\s+: ok=\d+\s+changed=1 ", res.stdout), res.stdout
+def test_a_root_disk_storage_without_rootdir_content_fails_naming_the_one_that_has_it(node_sim):
+    line = only_failure(preflight_node(node_sim, "-e", "proxmox_provision_rootfs_storage=local"),
+                        "rootdir-storage")
+    assert line.startswith("storage local holds no container root disks (pvesm status --content rootdir "
+                           "lists local-lvm). Fix: put the root disks on a storage that holds them: "
+                           "proxmox_provision_rootfs_storage: local-lvm"), line
+
+
+def test_the_room_is_the_size_of_the_containers_still_to_create(node_sim, tmp_path):
+    """CT 370 exists (its disk is counted as used); ct371, in the inventory only, needs its own size."""
+    extra = tmp_path / "more.yml"
+    extra.write_text(json.dumps({"all": {"children": {"training_containers": {"hosts": {"ct371": {
+        "proxmox_vmid": 371, "proxmox_node": "pve1", "proxmox_provision_rootfs_size": 5000}}}}}}))
+    line = only_failure(preflight_node(node_sim, "-i", str(extra)), "storage-room")
+    assert re.match(r"storage local-lvm is active, \d+ GiB available \(needs 5000, for ct371\)\. Fix: ", line)
+    extra.write_text(extra.read_text().replace("5000", "8"))
+    assert preflight_node(node_sim, "-i", str(extra)).returncode == 0
+
+
+def test_the_newest_template_is_downloaded_when_asked_and_a_stale_pin_fails(node_sim):
+    files = node.NodeFiles(node_sim.state_dir, "pve1")
+    newer = files.template_cache / node.NEWER_TEMPLATE
+    prerequisites.move_template_index(node_sim)
+    try:
+        # The newest debian-12-standard is the newer one now, which the storage lacks.
+        line = only_failure(preflight_node(node_sim), "template")
+        assert line.startswith(f"local:vztmpl/{node.NEWER_TEMPLATE} is not on storage local"), line
+        download = ("-e", "proxmox_host_prerequisites_download_template=true")
+        check = preflight_node(node_sim, *download, "--check")
+        assert check.returncode == 0, check.stdout
+        assert "would be downloaded (pveam download local" in checklist(check)["template"][1]
+        assert not newer.exists()
+        res = preflight_node(node_sim, *download)
+        assert res.returncode == 0, res.stdout
+        downloaded = (f"local:vztmpl/{node.NEWER_TEMPLATE} downloaded "
+                      f"(pveam download local {node.NEWER_TEMPLATE})")
+        assert checklist(res)["template"] == ("PASS", downloaded)
+        assert newer.exists()
+        assert re.search(r"pve1\s+: ok=\d+\s+changed=1 ", res.stdout), res.stdout
+        # A pin the index no longer lists fails, naming what it lists (the old file is still on the storage).
+        pin = ("-e", f"proxmox_provision_template={TEMPLATE}")
+        pinned = only_failure(preflight_node(node_sim, *pin), "template")
+        assert pinned.startswith(f"{TEMPLATE} (pinned by proxmox_provision_template for ct370) is not in the "
+                                 "node's index; pveam available --section system lists: "), pinned
+        assert node.NEWER_TEMPLATE in pinned and "Fix: pin one of those" in pinned
+    finally:
+        files.template_index.write_text(json.dumps(node.TEMPLATE_INDEX))
+        newer.unlink(missing_ok=True)

@@ -51,13 +51,13 @@ def test_check_diff_then_provision_then_nothing_changes(fleet, provisioned):
     assert not exists_after_check
     would = check.results(CREATE_TASK)[f"ct{NEW}"]
     assert would["changed"] and would["created"]
-    assert "+dev0: /dev/nvidia2,gid=44" in check.stdout and "+rootfs: local:8" in check.stdout
+    assert "+dev0: /dev/nvidia2,gid=44" in check.stdout and "+rootfs: local-lvm:8" in check.stdout
 
     assert first.rc == 0, first
     lines = config(fleet).splitlines()
     assert {"dev0: /dev/nvidia2,gid=44", "dev1: /dev/nvidia3,gid=44", "dev2: /dev/nvidiactl,gid=44",
             "cores: 2", "memory: 4096", "unprivileged: 1", "hostname: ct201"} <= set(lines)
-    assert f"rootfs: local:{NEW}/vm-{NEW}-disk-0.raw,size=8G" in lines
+    assert f"rootfs: local-lvm:vm-{NEW}-disk-0,size=8G" in lines
     # The container sees its two GPUs, numbered from 0, with the node's UUIDs of GPUs 2 and 3.
     node_uuids = fleet.sim.ssh("pve1", "nvidia-smi --query-gpu=uuid --format=csv,noheader").stdout.split()
     seen = fleet.ct(NEW, "nvidia-smi --query-gpu=index,uuid,driver_version --format=csv,noheader").stdout

@@ -23,6 +23,9 @@ PCT_ARGUMENTS = dict(
     node_name=dict(type="str"),
     pct_argv=dict(type="list", elements="str", default=["/usr/sbin/pct"]),
 )
+# Where a Proxmox VE node has its tools that run as root (the packages pve-storage and pve-manager): called
+# by these paths, so that a sudo rule naming them (inventory/production.example/sudoers.d) matches.
+ROOT_TOOLS = {"pvesm": "/usr/sbin/pvesm", "pveam": "/usr/bin/pveam", "pvesh": "/usr/bin/pvesh"}
 # What a shell or sudo answers for a command it cannot run.
 CANNOT_RUN_CODES = (126, 127)
 READ_TIMEOUT = 60
@@ -88,9 +91,12 @@ class Pct:
         return answer
 
     def tool(self, program, *args, timeout=READ_TIMEOUT, as_root=True):
-        """Another tool of the node (pvesm, pvesh) run as pct is (through sudo when pct is), or one any
-        user may run (nvidia-smi) as the caller with `as_root=False`; rc None when it cannot be run."""
+        """Another tool of the node (pvesm, pveam, pvesh: by their absolute paths) run as pct is (through
+        sudo when pct is), or one any user may run (nvidia-smi) as the caller with `as_root=False`; rc
+        None when it cannot be run."""
         prefix = self.argv[:-1]
+        if as_root:
+            program = ROOT_TOOLS.get(program, program)
         if not as_root and "sudo" in prefix:  # sudo and its options (-n) go, what comes before stays
             at = prefix.index("sudo")
             rest = prefix[at + 1:]

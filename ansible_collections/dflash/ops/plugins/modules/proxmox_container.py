@@ -14,13 +14,14 @@ description:
     the config the options ask for (hostname, cores, memory, swap, root disk, unprivileged, onboot,
     networks, a C(devN) entry (PVE 8.1+) for each GPU's C(/dev/nvidiaN) and each control device, and an
     C(mpN) bind mount point for each of O(mounts)), and compares the two.
-  - A container that does not exist is created with C(pct create) from O(template) and started. Before
-    anything is created it checks that the template is on the node's storage (C(pvesm path)), that
-    the node has every GPU of O(gpus) (its C(nvidia-smi), by minor number), that no other container of
-    the node has one of them passed through (unless O(allow_shared_gpus)), that the vmid is not taken
-    by a VM or a container anywhere in the cluster (C(pvesh get /cluster/resources)), and that the root
-    disk's storage has room for it (C(pvesm status)), and that each directory of O(mounts) is on the node.
-    A container whose start fails is destroyed again.
+  - A container that does not exist is created with C(pct create) from O(template) (unpinned, the newest
+    O(template_name) in the node's index) and started. Before anything is created it checks that the
+    template is on the node's storage (C(pvesm path)), that the node has every GPU of O(gpus) (its
+    C(nvidia-smi), by minor number), that no other container of the node has one of them passed through
+    (unless O(allow_shared_gpus)), that the vmid is not taken by a VM or a container anywhere in the
+    cluster (C(pvesh get /cluster/resources)), that the root disk's storage holds container root disks
+    (C(pvesm status --content rootdir)) and has room for it, and that each directory of O(mounts) is on
+    the node. A container whose start fails is destroyed again.
   - An existing container whose config differs is reported with the differences and left alone,
     unless O(reconcile) is set; then only the differing keys change (C(pct set)), and only when
     O(run_live) is false. A changed GPU passthrough or bind mount takes effect by restarting the container.
@@ -49,9 +50,20 @@ options:
     choices: [present, absent]
     default: present
   template:
-    description: The template's volume on the node's storage, e.g.
-      V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst). Required with O(state=present).
+    description:
+      - A pinned template's volume on the node's storage, e.g.
+        V(local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst).
+      - Unset or empty, the newest O(template_name) that the node's C(pveam available --section system)
+        lists, on O(template_storage).
     type: str
+  template_name:
+    description: The template a create uses without a pinned O(template), by name, without its version.
+    type: str
+    default: debian-12-standard
+  template_storage:
+    description: The storage holding the templates (C(vztmpl) content) without a pinned O(template).
+    type: str
+    default: local
   hostname:
     description: The container's hostname.
     type: str
@@ -68,9 +80,10 @@ options:
     type: int
     default: 0
   rootfs_storage:
-    description: The storage of the root disk.
+    description: The storage of the root disk; it needs C(rootdir) content (C(local-lvm) on a default
+      install, C(local-zfs) on ZFS; C(local) holds none).
     type: str
-    default: local
+    default: local-lvm
   rootfs_size:
     description: Size of the root disk in GiB.
     type: int
@@ -175,6 +188,12 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+template:
+  description: The template volume a create used (or, in check mode, would use); null when nothing was
+    created.
+  returned: always
+  type: str
+  sample: local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst
 exists:
   description: Whether the container existed before.
   returned: always
@@ -227,6 +246,7 @@ import stat
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     GPU_DEVICES,
     PROGRAM,
@@ -255,11 +275,13 @@ ARGUMENT_SPEC = dict(
     **PCT_ARGUMENTS,
     state=dict(type="str", choices=["present", "absent"], default="present"),
     template=dict(type="str"),
+    template_name=dict(type="str", default="debian-12-standard"),
+    template_storage=dict(type="str", default="local"),
     hostname=dict(type="str"),
     cores=dict(type="int", default=2),
     memory=dict(type="int", default=8192),
     swap=dict(type="int", default=0),
-    rootfs_storage=dict(type="str", default="local"),
+    rootfs_storage=dict(type="str", default="local-lvm"),
     rootfs_size=dict(type="int", default=32),
     unprivileged=dict(type="bool", default=True),
     onboot=dict(type="bool", default=False),
@@ -373,9 +395,18 @@ def check_gpus_free(pct, vmid, gpus):
 
 
 def check_room(pct, vmid, storage, size_gib):
-    answer = pct.tool("pvesm", "status", "--storage", storage)
+    """The root disk's storage holds container root disks (pvesm status --content rootdir lists it, as
+    pct create requires) and has room for it."""
+    answer = pct.tool("pvesm", "status", "--content", "rootdir")
     rows = [line.split() for line in answer.stdout.splitlines()[1:]] if answer.rc == 0 else []
     row = next((r for r in rows if r and r[0] == storage), None)
+    if answer.rc == 0 and row is None:
+        listed = ", ".join(r[0] for r in rows if r) or "none"
+        raise CheckFailed(f"CT {vmid}: storage {storage} on node {pct.node} holds no container root disks "
+                          f"(pvesm status --content rootdir lists {listed}; pct create would say: storage "
+                          f"'{storage}' does not support container directories). Fix "
+                          "proxmox_provision_rootfs_storage: local-lvm on a default install, local-zfs on a "
+                          "ZFS one.")
     if row is None or len(row) < 6 or not row[5].isdigit():
         raise CheckFailed(f"CT {vmid}: storage {storage} is not usable on node {pct.node} (pvesm status: "
                           f"{said(answer) or 'no such storage'}). Fix proxmox_provision_rootfs_storage.")
@@ -493,13 +524,19 @@ def provision(pct, p, check_mode, result):
     result["warnings"] = check_mounts(pct, vmid, p["mounts"], p["unprivileged"])
     wanted = wanted_config(p)
     if not exists:
-        check_template(pct, vmid, p["template"])
+        template, _, error = pve_templates.resolve(pct, p["template"], p["template_name"],
+                                                   p["template_storage"])
+        if error and not template:
+            raise CheckFailed(f"CT {vmid}: no template to create it from on node {pct.node}: {error}. Pin "
+                              "one with proxmox_provision_template.")
+        result["template"] = template
+        check_template(pct, vmid, template)
         check_vmid_free(pct, vmid, wanted["hostname"])
         if not p["allow_shared_gpus"]:
             check_gpus_free(pct, vmid, p["gpus"])
         check_room(pct, vmid, p["rootfs_storage"], p["rootfs_size"])
         if not check_mode:
-            create(pct, vmid, p["template"], wanted, p["start"])
+            create(pct, vmid, template, wanted, p["start"])
         result.update(changed=True, created=True, config=wanted,
                       diff=dict(before="", after=config_text(wanted)))
         return
@@ -558,8 +595,7 @@ def mount_problem(mounts):
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True,
-                           required_if=[("state", "present", ["template"])])
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     p = module.params
     if not p["pct_argv"]:
         module.fail_json(msg="pct_argv is empty: name the command that runs pct, e.g. [/usr/sbin/pct]")
@@ -570,7 +606,7 @@ def main():
         module.fail_json(msg=f"proxmox_provision_mounts: {bad_mount}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
     result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
-                  differences=[], gpu_uuids=[], driver_version=None)
+                  differences=[], gpu_uuids=[], driver_version=None, template=None)
     try:
         provision(Pct(p["pct_argv"], node), p, module.check_mode, result)
     except CheckFailed as exc:

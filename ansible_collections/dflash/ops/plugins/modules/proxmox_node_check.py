@@ -18,15 +18,23 @@ description:
   - C(nvidia-driver) - the node's C(nvidia-smi) answers and lists a GPU; its driver version is reported.
   - C(nvidia-uvm) - C(lsmod) lists the C(nvidia_uvm) module, which makes C(/dev/nvidia-uvm) (CUDA in a
     container needs it passed through).
-  - C(template) - the container template O(template) is on its storage (C(pveam list <storage>)), or is
-    downloaded there with C(pveam download <storage> <file>) when O(download_template) is set.
+  - The items below check what the node's containers of O(containers) are created with, each distinct
+    template and storage once.
+  - C(template) - a container's template is in the node's index (C(pveam available --section system)),
+    a pinned one as it is, else the newest of its name; and it is on its storage (C(pveam list
+    <storage>)), or is downloaded there with C(pveam download <storage> <file>) when O(download_template)
+    is set. A pinned template the index does not list fails, naming those it does.
   - C(nvidia-installer) - NVIDIA's installer of the node's driver version,
-    C(NVIDIA-Linux-x86_64-<version>.run), is on storage O(installer_storage) (C(pvesm path
+    C(NVIDIA-Linux-x86_64-<version>.run), is on a container's nvidia storage (C(pvesm path
     <storage>:snippets/<file>)), where the proxmox_provision role takes it from.
-  - C(storage-room) - storage O(room_storage) is active and has O(min_free_gib) GiB available
+  - C(rootdir-storage) - a container's root disk storage holds container root disks, C(pvesm status
+    --content rootdir) lists it (a default install's C(local) does not; C(local-lvm) or C(local-zfs) do).
+  - C(storage-room) - that storage is active and has room for the root disks of the containers the
+    cluster does not have yet (C(pvesh get /cluster/resources)), or O(min_free_gib) GiB when set
     (C(pvesm status --storage <storage>)).
-  - C(pveam) and C(pvesm) run as root, through C(sudo -n) when O(sudo) is set; C(pveversion),
-    C(nvidia-smi) and C(lsmod) as the connection's user.
+  - C(pveam), C(pvesm) and C(pvesh) run as root (C(/usr/bin/pveam), C(/usr/sbin/pvesm),
+    C(/usr/bin/pvesh)), through C(sudo -n) when O(sudo) is set; C(pveversion), C(nvidia-smi) and
+    C(lsmod) as the connection's user.
 version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
@@ -48,34 +56,62 @@ options:
     description: The oldest Proxmox VE release (major.minor) that passes.
     type: str
     default: "8.1"
-  template:
-    description: The container template's volume, C(<storage>:vztmpl/<file>) (what C(pct create) takes).
-    type: str
+  containers:
+    description: The training containers of this node, with the settings the proxmox_provision role
+      creates them with.
+    type: list
+    elements: dict
     required: true
+    suboptions:
+      name:
+        description: The container's inventory name (in messages).
+        type: str
+        required: true
+      vmid:
+        description: Its CT id.
+        type: int
+        required: true
+      template:
+        description: A pinned template volume, C(<storage>:vztmpl/<file>); empty for the newest
+          O(containers[].template_name).
+        type: str
+        default: ""
+      template_name:
+        description: The template by name, without its version.
+        type: str
+        default: debian-12-standard
+      template_storage:
+        description: The storage of an unpinned template.
+        type: str
+        default: local
+      rootfs_storage:
+        description: The storage of its root disk.
+        type: str
+        required: true
+      rootfs_size:
+        description: Its root disk's size in GiB.
+        type: int
+        required: true
+      nvidia_storage:
+        description: The storage whose C(snippets) hold NVIDIA's installer.
+        type: str
+        default: local
   download_template:
     description: Download a missing template with C(pveam download) (the node needs the internet).
     type: bool
     default: false
-  installer_storage:
-    description: The storage whose C(snippets) hold NVIDIA's installer.
-    type: str
-    default: local
-  room_storage:
-    description: The storage the containers' root disks go on.
-    type: str
-    default: local
   min_free_gib:
-    description: The GiB O(room_storage) must have available.
+    description: The GiB each root disk storage must have available, instead of the sizes of the
+      containers still to create.
     type: int
-    default: 64
 """
 
 EXAMPLES = r"""
 - name: Check the node's prerequisites, downloading the template when it is missing.
   dflash.ops.proxmox_node_check:
-    template: local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst
+    containers:
+      - {name: ct200, vmid: 200, rootfs_storage: local-lvm, rootfs_size: 200}
     download_template: true
-    min_free_gib: 400
 """
 
 RETURN = r"""
@@ -103,12 +139,14 @@ driver_version:
   sample: 550.127.05
 """
 
+import json
 import os
 import re
 import socket
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     NvidiaSmiError,
     Query,
@@ -120,17 +158,23 @@ ARGUMENT_SPEC = dict(
     node_name=dict(type="str"),
     sudo=dict(type="bool", default=False),
     min_pve_version=dict(type="str", default="8.1"),
-    template=dict(type="str", required=True),
+    containers=dict(type="list", elements="dict", required=True, options=dict(
+        name=dict(type="str", required=True),
+        vmid=dict(type="int", required=True),
+        template=dict(type="str", default=""),
+        template_name=dict(type="str", default="debian-12-standard"),
+        template_storage=dict(type="str", default="local"),
+        rootfs_storage=dict(type="str", required=True),
+        rootfs_size=dict(type="int", required=True),
+        nvidia_storage=dict(type="str", default="local"),
+    )),
     download_template=dict(type="bool", default=False),
-    installer_storage=dict(type="str", default="local"),
-    room_storage=dict(type="str", default="local"),
-    min_free_gib=dict(type="int", default=64),
+    min_free_gib=dict(type="int"),
 )
 # pve-manager's bin/pveversion: `pve-manager/<version>/<repoid> (running kernel: <release>)`; the version
 # is 8.2.4 on 8.x, 7.4-3 on 7.x.
 PVEVERSION = re.compile(r"^pve-manager/((\d+)\.(\d+)[0-9.-]*)/")
 DRIVER = Query("gpu", "GPU", ("index", "driver_version"))
-TEMPLATE_VOLUME = re.compile(r"^([A-Za-z][A-Za-z0-9._-]*):vztmpl/([^/\s]+)$")
 DOWNLOAD_TIMEOUT = 1800
 KIB_PER_GIB = 1024 * 1024
 INSTALLER = "NVIDIA-Linux-x86_64-{}.run"
@@ -230,15 +274,37 @@ def check_uvm(tools):
     return check("nvidia-uvm", found == "nvidia_uvm is loaded", found, fix)
 
 
+def template_volume(container, index, index_error):
+    """(the container's template volume, None) or (None, the failed check)."""
+    pinned, name = container["template"], container["template_name"]
+    fix = ("run pveam update on the node, or pin a template it lists (proxmox_provision_template: "
+           "<storage>:vztmpl/<file>)")
+    if index_error:
+        return None, check("template", False, index_error, fix)
+    if not pinned:
+        found = pve_templates.newest(index, name)
+        if found is None:
+            return None, check("template", False, f"pveam available --section system lists no {name} "
+                               f"(it lists: {', '.join(index) or 'nothing'})", fix)
+        return f"{container['template_storage']}:vztmpl/{found}", None
+    match = pve_templates.TEMPLATE_VOLUME.match(pinned)
+    if not match:
+        return None, check("template", False, f"{pinned!r} is not a template volume",
+                           "name it <storage>:vztmpl/<file> (proxmox_provision_template's form)")
+    if match.group(2) not in index:
+        return None, check("template", False, f"{pinned} (pinned by proxmox_provision_template for "
+                           f"{container['name']}) is not in the node's index; pveam available --section "
+                           f"system lists: {', '.join(index) or 'nothing'}",
+                           "pin one of those, or leave proxmox_provision_template empty for the newest "
+                           f"{name}")
+    return pinned, None
+
+
 def check_template(tools, template, download, check_mode):
     """The template check and whether it downloaded (or, in check mode, would download) it."""
-    match = TEMPLATE_VOLUME.match(template)
-    if not match:
-        return check("template", False, f"{template!r} is not a template volume",
-                     "name it <storage>:vztmpl/<file> (proxmox_provision_template's form)"), False
-    storage, name = match.groups()
-    fix = (f"download it on the node: pveam update && pveam download {storage} {name} (or rerun with "
-           f"-e proxmox_host_prerequisites_download_template=true); pveam available lists the templates")
+    storage, name = pve_templates.TEMPLATE_VOLUME.match(template).groups()
+    fix = (f"download it on the node: pveam download {storage} {name} (or rerun with "
+           f"-e proxmox_host_prerequisites_download_template=true)")
     listing = tools.tool("pveam", "list", storage)
     if listing.rc != 0:
         return check("template", False, f"pveam list {storage} fails: {said(listing)}", fix), False
@@ -274,29 +340,74 @@ def check_installer(tools, storage, driver_version):
     return check("nvidia-installer", present, f"{path} {'is there' if present else 'is missing'}", fix)
 
 
-def check_room(tools, storage, min_free_gib):
+def check_rootdir(tools, storage):
+    answer = tools.tool("pvesm", "status", "--content", "rootdir")
+    lines = answer.stdout.splitlines()[1:] if answer.rc == 0 else []
+    listed = [row.split()[0] for row in lines if row.strip()]
+    fix = (f"put the root disks on a storage that holds them: proxmox_provision_rootfs_storage: "
+           f"{listed[0] if listed else 'local-lvm'} (local-lvm on a default install, local-zfs on a ZFS "
+           f"one), or add rootdir to the content of storage {storage} "
+           f"(pvesm set {storage} --content ...,rootdir)")
+    if answer.rc != 0:
+        return check("rootdir-storage", False, f"pvesm status --content rootdir fails: {said(answer)}", fix)
+    ok = storage in listed
+    found = (f"storage {storage} holds container root disks" if ok else
+             f"storage {storage} holds no container root disks (pvesm status --content rootdir lists "
+             f"{', '.join(listed) or 'none'})")
+    return check("rootdir-storage", ok, found, fix)
+
+
+def cluster_vmids(tools):
+    """The vmids the cluster has (pvesh get /cluster/resources), None when pvesh gives none."""
+    answer = tools.tool("pvesh", "get", "/cluster/resources", "--type", "vm", "--output-format", "json")
+    try:
+        return {int(r["vmid"]) for r in json.loads(answer.stdout)} if answer.rc == 0 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def check_room(tools, storage, containers, existing, min_free_gib):
+    to_create = [c for c in containers if existing is None or c["vmid"] not in existing]
+    needed = min_free_gib if min_free_gib is not None else sum(c["rootfs_size"] for c in to_create)
+    why = ("as asked (min_free_gib)" if min_free_gib is not None else
+           f"for {', '.join(c['name'] for c in to_create)}" if to_create else "nothing to create")
     answer = tools.tool("pvesm", "status", "--storage", storage)
     row = parse_pvesm_status(answer.stdout, storage) if answer.rc == 0 else None
     fix = (f"free room on storage {storage}, or put the containers' root disks on another "
-           f"(proxmox_provision_rootfs_storage and -e proxmox_host_prerequisites_room_storage=...)")
+           f"(proxmox_provision_rootfs_storage), or make them smaller (proxmox_provision_rootfs_size)")
     if row is None:
         return check("storage-room", False, f"pvesm status --storage {storage} gives no row "
                      f"({said(answer) or 'no output'})", fix)
     free_gib = row["available_kib"] / KIB_PER_GIB
-    ok = row["status"] == "active" and free_gib >= min_free_gib
+    ok = row["status"] == "active" and free_gib >= needed
     return check("storage-room", ok, f"storage {storage} is {row['status']}, {free_gib:.0f} GiB available "
-                 f"(needs {min_free_gib})", fix)
+                 f"(needs {needed}, {why})", fix)
+
+
+def distinct(values):
+    return list(dict.fromkeys(values))
 
 
 def run_checks(tools, params, check_mode):
     """Every item in order; returns (checks, pve_version, driver_version, downloaded)."""
     version_check, pve_version = check_pve_version(tools, parse_min_version(params["min_pve_version"]))
     driver_check, driver_version = check_driver()
-    template_check, downloaded = check_template(tools, params["template"], params["download_template"],
-                                                check_mode)
-    checks = [version_check, driver_check, check_uvm(tools), template_check,
-              check_installer(tools, params["installer_storage"], driver_version),
-              check_room(tools, params["room_storage"], params["min_free_gib"])]
+    checks, downloaded = [version_check, driver_check, check_uvm(tools)], False
+    containers = params["containers"]
+    index, index_error = pve_templates.index_names(tools)
+    volumes = [template_volume(c, index, index_error) for c in containers]
+    checks += list({failed["found"]: failed for _, failed in volumes if failed}.values())
+    for template in distinct(volume for volume, _ in volumes if volume):
+        template_check, fetched = check_template(tools, template, params["download_template"], check_mode)
+        checks.append(template_check)
+        downloaded = downloaded or fetched
+    checks += [check_installer(tools, storage, driver_version)
+               for storage in distinct(c["nvidia_storage"] for c in containers)]
+    existing = cluster_vmids(tools)
+    for storage in distinct(c["rootfs_storage"] for c in containers):
+        checks.append(check_rootdir(tools, storage))
+        checks.append(check_room(tools, storage, [c for c in containers if c["rootfs_storage"] == storage],
+                                 existing, params["min_free_gib"]))
     return checks, pve_version, driver_version, downloaded
 
 
