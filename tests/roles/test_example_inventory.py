@@ -174,7 +174,7 @@ def test_the_readme_names_every_command_this_test_runs():
             "playbooks/capture_features.yml"} <= playbooks, playbooks
 
 
-def test_the_node_preflight_passes_on_a_fresh_node(example):
+def test_the_preflight_passes_as_the_node_user_with_the_example_s_settings(example):
     res = example.run(readme_command("ansible-playbook", "playbooks/preflight_node.yml"))
     assert res.rc == 0, res
     # The checks of the containers' own settings (the example's 200 GiB root disk on local-lvm).
