@@ -86,6 +86,11 @@ def test_the_container_sees_the_node_files_and_the_read_only_mount_refuses_write
 # (test_provision.py) and the mounts' creation (the test above, test_example_inventory.py).
 @pytest.mark.reliability_full
 def test_a_changed_mount_is_reported_then_reconciled(fleet):
+    # make test-reliability selects this test alone (-m), without the ones above that made the container
+    # and wrote to its cache: do both here (after them, the provision changes nothing, the write the same).
+    made = provision(fleet, mounts(fleet))
+    assert made.rc == 0, made
+    assert fleet.ct(NEW, "echo features > /srv/cache/shard-0").returncode == 0
     changed = mounts(fleet, models_ro=False, cache_at="/srv/features")
     before = config_lines(fleet)
     res = provision(fleet, changed)
