@@ -56,6 +56,13 @@ options:
         program path is resolved against O(chdir), a bare name in the run's C(PATH).
     type: list
     elements: str
+  interpreter:
+    description:
+      - The program the command execs (the release's venv C(python) that C(run.sh) execs), checked as
+        the command is before the start (and the boot's start again): it, the command, every directory
+        on their way and, when the command is in O(chdir), every file under O(chdir) must be owned by
+        the user the module runs as and writable by it alone, or nothing is stopped or started.
+    type: path
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -382,6 +389,7 @@ ARGUMENT_SPEC = dict(
     pidfile=dict(type="path"),
     command=dict(type="list", elements="str"),
     chdir=dict(type="path"),
+    interpreter=dict(type="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
     stop_timeout=dict(type="float", default=120),
