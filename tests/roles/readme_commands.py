@@ -82,10 +82,11 @@ class CommandResult:
     __repr__ = __str__
 
 
-def run_command(argv, cwd, timeout=900):
+def run_command(argv, cwd, timeout=900, env=None):
     """`argv` run from `cwd` as a user runs it: the controller's Ansible on PATH (the venv's), nothing else
-    set, so the checkout's ansible.cfg is the one Ansible finds."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
+    set but `env` (the user's HOME, EDITOR), so the checkout's ansible.cfg is the one Ansible finds."""
+    env = {**{key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")},
+           **(env or {})}
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}"
     res = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=timeout)

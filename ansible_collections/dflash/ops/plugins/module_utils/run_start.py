@@ -27,6 +27,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_st
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import POLL_SECONDS
 from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
     UnsafePath,
+    open_directory,
     open_file,
     path_problem,
     program_problem,
@@ -271,3 +272,23 @@ def read_environment_file(path):
                 raise RunError(f"environment_file {path} line {number} is not KEY=VALUE")
             values[key] = value
     return values
+
+
+def remove_private_file(path):
+    """Remove the secrets file `path` if it is there (the name itself, never what a link names, in its
+    directory reached as safe_paths walks it); whether it was there."""
+    directory, name = os.path.split(path)
+    try:
+        dir_fd = open_directory(directory)
+    except FileNotFoundError:
+        return False
+    except UnsafePath as exc:
+        reason = f"is in {directory}: {exc}"
+        raise RunError(refusal("stale_environment_file", path, reason, NOTHING_DONE)) from None
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
