@@ -101,14 +101,14 @@ def test_a_parent_swapped_for_a_symlink_in_another_users_directory_redirects_no_
     home = tmp_path / "home"
     home.mkdir()
     os.chown(home, 65534, 65534)
-    (elsewhere / "run").mkdir()
+    (elsewhere / "main").mkdir()
     (home / "runs").symlink_to(elsewhere)  # what that user put in place of the runs' directory
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ensure_dir(home / "runs" / "main")
     with pytest.raises(UnsafePath, match="uid 65534"):
-        ensure_dir(home / "runs" / "run")
-    with pytest.raises(UnsafePath, match="uid 65534"):
-        write_file(home / "runs" / "run" / "status.json", "{}")
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["passwd", "run"]
-    assert not any((elsewhere / "run").iterdir())
+        write_file(home / "runs" / "main" / "status.json", "{}")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["main", "passwd"]
+    assert not any((elsewhere / "main").iterdir())
 
 
 def test_a_directory_on_the_way_in_a_directory_every_user_can_write_is_refused(tmp_path):
