@@ -199,7 +199,7 @@ def vault_user(example):
 def test_the_first_deploy_with_a_secret_starts_the_run_and_never_shows_the_secret(example):
     user = vault_user(example)
     create = readme_command("ansible-vault", "create")
-    made = run_command(create, example.root, env=user)
+    made = run_command(create, example.root, env=user, terminal=True)
     assert made.rc == 0, made
     vaulted = (example.root / "secrets.yml").read_text()
     assert vaulted.startswith("$ANSIBLE_VAULT;") and SECRET not in vaulted
