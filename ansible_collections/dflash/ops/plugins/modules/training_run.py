@@ -59,7 +59,7 @@ options:
   interpreter:
     description:
       - The program the command execs (the release's venv C(python) that C(run.sh) execs), checked as
-        the command is before the start (and the boot's start again): it, the command, every directory
+        the command is before the start (and the boot's start again). It, the command, every directory
         on their way and, when the command is in O(chdir), every file under O(chdir) must be owned by
         the user the module runs as and writable by it alone, or nothing is stopped or started.
     type: path
@@ -142,7 +142,7 @@ options:
     type: path
   stale_environment_file:
     description:
-      - A secrets file this start no longer uses (the run's secrets were emptied): removed right before
+      - A secrets file this start no longer uses (the run's secrets were emptied), removed right before
         V(started) or V(restarted) starts the run (never through a symbolic link), so no secret stays
         behind; RV(removed_environment_file) says so.
     type: path
