@@ -191,3 +191,23 @@ def test_the_program_packs_run_resume_and_all_it_imports(tmp_path):
     done = subprocess.run(["/usr/bin/python3", "-I", str(pyz), str(empty)], capture_output=True, text=True,
                           timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
+def test_a_run_sh_another_user_rewrote_is_not_started_at_the_boot_and_the_boot_result_says_why(box, smi,
+                                                                                               tmp_path):
+    release = tmp_path / "release"
+    release.mkdir()
+    run_sh = release / "run.sh"
+    run_sh.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_RUN} --step-after 0.2\n")
+    run_sh.chmod(0o755)
+    box.spec.update(command=[str(run_sh)], chdir=str(release))
+    (box.dir / "main.boot.json").write_text(json.dumps(box.spec))
+    before = box.died({"state": "running"})
+    stale = box.pidfile.read_text()
+    marker = tmp_path / "evil-ran"
+    run_sh.write_text(f"#!/bin/sh\necho EVIL > {marker}\n")  # what that user's run.sh does as root
+    os.chown(run_sh, 65534, 65534)
+    result = box.boot(smi)
+    assert result["outcome"] == "failed", result
+    assert str(run_sh) in result["msg"] and "owned by uid 65534" in result["msg"], result["msg"]
+    assert not marker.exists() and not alive(before) and box.pidfile.read_text() == stale

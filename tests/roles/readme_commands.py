@@ -2,6 +2,7 @@
 runs them (tests/roles/test_example_inventory.py)."""
 
 import os
+import pty
 import re
 import shlex
 import shutil
@@ -82,13 +83,42 @@ class CommandResult:
     __repr__ = __str__
 
 
-def run_command(argv, cwd, timeout=900):
+def run_command(argv, cwd, timeout=900, env=None, terminal=False):
     """`argv` run from `cwd` as a user runs it: the controller's Ansible on PATH (the venv's), nothing else
-    set, so the checkout's ansible.cfg is the one Ansible finds."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
+    set but `env` (the user's HOME, EDITOR), so the checkout's ansible.cfg is the one Ansible finds. With
+    `terminal`, on a terminal of its own (a pty), as `ansible-vault create` needs for its editor."""
+    env = {**{key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")},
+           **(env or {})}
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}"
+    if terminal:
+        return on_a_terminal(argv, cwd, env, timeout)
     res = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=timeout)
     return CommandResult(list(argv), res.returncode, res.stdout)
+
+
+def on_a_terminal(argv, cwd, env, timeout):
+    """`argv` with a pty as its stdin, stdout and stderr; what it printed, read until it exits."""
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=secondary, stdout=secondary, stderr=secondary,
+                            start_new_session=True)
+    os.close(secondary)
+    output = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: the terminal's last user is gone
+                break
+            if not chunk:
+                break
+            output += chunk
+        proc.wait(timeout=timeout)
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return CommandResult(list(argv), proc.returncode, output.decode("utf-8", "replace"))
 
 

@@ -1,9 +1,15 @@
 """The controller's cache of release archives stays bounded: beyond the most recently used
 entries, those unused for a day are removed; a use refreshes an entry; in-flight builds are left."""
 
+import base64
 import importlib.util
+import io
 import os
+import shutil
+import tarfile
 import time
+
+import pytest
 
 from pvesim.fleet import REPO
 
@@ -62,3 +68,32 @@ def test_packing_refreshes_the_archive_it_uses_and_prunes_the_stale_ones(tmp_pat
     aged(first["archive"], days=3)
     other = pack_release.pack(str(code), str(build), "rev", {"config.yaml": "a: 2\n"})
     assert sorted(os.listdir(build)) == [f"{other['id']}.tar.gz", f"{other['id']}.tar.gz.b64"]
+
+
+def run_sh_of(encoded_path):
+    """run.sh of the archive whose base64 text is in `encoded_path`."""
+    data = base64.b64decode(open(encoded_path, "rb").read())
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return tar.extractfile("run.sh").read().decode()
+
+
+@pytest.mark.parametrize("tampered", [".b64", ".tar.gz"])
+def test_a_cached_archive_is_reused_only_when_its_content_is_the_release(tmp_path, tampered):
+    code = tmp_path / "pkg"
+    code.mkdir()
+    (code / "__init__.py").write_text("")
+    real = {"config.yaml": "a: 1\n", "run.sh": "#!/bin/sh\nexec python -m dflash.train\n"}
+    first = pack_release.pack(str(code), str(tmp_path / "build"), "rev", real)
+    evil = pack_release.pack(str(code), str(tmp_path / "elsewhere"), "rev", {**real, "run.sh": "echo EVIL\n"})
+    # Another user of the controller puts the evil archive in place of the real one, under the same id.
+    shutil.copy(evil["archive" + ("_b64" if tampered == ".b64" else "")],
+                first["archive" + ("_b64" if tampered == ".b64" else "")])
+    again = pack_release.pack(str(code), str(tmp_path / "build"), "rev", real)
+    assert again["id"] == first["id"]
+    assert run_sh_of(again["archive_b64"]) == real["run.sh"]
+    assert [problem.split()[0] for problem in again["rebuilt"]] == [first["archive" + (
+        "_b64" if tampered == ".b64" else "")]], again["rebuilt"]
+    assert base64.b64decode(again["content"]) == open(again["archive"], "rb").read()
+    assert again["files"]["run.sh"] == first["files"]["run.sh"]
+    # Once rebuilt, it is trusted again and not rebuilt.
+    assert pack_release.pack(str(code), str(tmp_path / "build"), "rev", real)["rebuilt"] == []

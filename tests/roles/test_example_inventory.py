@@ -196,15 +196,36 @@ def test_provision_creates_ct200_with_its_gpus_and_mounts_and_a_second_run_chang
     assert again.rc == 0 and again.recap[HOST]["changed"] == 0, again
 
 
+def vault_user(example):
+    """The controller user of the README's vault lines: a HOME with the vault password file (mode 0600)
+    and an EDITOR that writes what the README says to write in the vaulted file, the token filled in."""
+    home = example.root.parent / "home"
+    home.mkdir(exist_ok=True)
+    password = home / ".dflash-vault-pass"
+    password.write_text("example vault password\n")
+    password.chmod(0o600)
+    editor = home / "editor.py"
+    editor.write_text("import sys\nopen(sys.argv[1], 'w').write('dflash_run_secret_environment: "
+                      f"{{HF_TOKEN: {SECRET}}}\\n')\n")
+    return {"HOME": str(home), "EDITOR": f"{sys.executable} {editor}"}
+
+
 def test_the_first_deploy_with_a_secret_starts_the_run_and_never_shows_the_secret(example):
-    deploy = readme_command("ansible-playbook", "playbooks/deploy.yml", "-e", fill=SECRET)
-    res = example.run(deploy)
+    user = vault_user(example)
+    create = readme_command("ansible-vault", "create")
+    made = run_command(create, example.root, env=user, terminal=True)
+    assert made.rc == 0, made
+    vaulted = (example.root / "secrets.yml").read_text()
+    assert vaulted.startswith("$ANSIBLE_VAULT;") and SECRET not in vaulted
+    deploy = readme_command("ansible-playbook", "playbooks/deploy.yml", "-e")
+    assert SECRET not in " ".join(deploy)  # nothing of the secret on the command line
+    res = run_command(deploy, example.root, env=user)
     assert res.rc == 0, res
     assert SECRET not in res.stdout
     run = pidfile(example)
     assert run and alive(example, run["pid"]), run
     # The run has the secret in its environment, from a file only root reads.
-    assert example.ct("stat -c %U:%a /var/lib/dflash/main.env").stdout == "root:600\n"
+    assert example.ct("stat -c %U:%a /var/lib/dflash/secrets/main.env").stdout == "root:600\n"
     environ = example.ct(f"tr '\\0' '\\n' < /proc/{run['pid']}/environ").stdout.splitlines()
     assert f"HF_TOKEN={SECRET}" in environ
     # And nowhere else in the container: not the run's log, its pidfile, its outputs or the release.
@@ -215,7 +236,7 @@ def test_the_first_deploy_with_a_secret_starts_the_run_and_never_shows_the_secre
     assert "/srv/models/tiny-demo" in example.ct("cat /opt/dflash/current/config.yaml").stdout
     assert (example.root / ".cache" / "releases").is_dir()
 
-    again = example.run(deploy)
+    again = run_command(deploy, example.root, env=user)
     assert again.rc == 0 and again.recap[HOST]["changed"] == 0, again
     assert SECRET not in again.stdout
 

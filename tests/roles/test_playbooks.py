@@ -266,7 +266,7 @@ def test_secrets_reach_the_run_and_nothing_else(fleet):
     environ = fleet.ct(203, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
     assert f"HF_TOKEN={token}" in environ
     # ...from a file only root can read...
-    assert fleet.ct(203, "stat -c '%a %U' /var/lib/dflash/main.env").stdout.split() == ["600", "root"]
+    assert fleet.ct(203, "stat -c '%a %U' /var/lib/dflash/secrets/main.env").stdout.split() == ["600", "root"]
     # ...and it is nowhere else: not in Ansible's output (even -vvv), the status table, the run's
     # log, its pidfile, its status.json or the release.
     for output in (res.stdout, res.stderr, status.stdout, status.stderr):

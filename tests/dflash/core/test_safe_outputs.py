@@ -95,3 +95,32 @@ def test_a_directory_of_another_user_is_refused(tmp_path):
     shared.chmod(0o777)
     with pytest.raises(UnsafePath, match="every user can write to"):
         ensure_dir(shared / "run")
+
+
+def test_a_parent_swapped_for_a_symlink_in_another_users_directory_redirects_no_write(tmp_path, elsewhere):
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    (elsewhere / "main").mkdir()
+    (home / "runs").symlink_to(elsewhere)  # what that user put in place of the runs' directory
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ensure_dir(home / "runs" / "main")
+    with pytest.raises(UnsafePath, match="uid 65534"):
+        write_file(home / "runs" / "main" / "status.json", "{}")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["main", "passwd"]
+    assert not any((elsewhere / "main").iterdir())
+
+
+def test_a_directory_on_the_way_in_a_directory_every_user_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "runs" / "run").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(UnsafePath, match="every user can write to"):
+        ensure_dir(shared / "runs" / "run")
+
+
+def test_a_link_on_the_way_that_only_root_could_have_made_is_followed(tmp_path):
+    (tmp_path / "srv" / "runs").mkdir(parents=True)
+    (tmp_path / "data").symlink_to(tmp_path / "srv")
+    write_file(ensure_dir(tmp_path / "data" / "runs" / "run") / "status.json", "{}")
+    assert (tmp_path / "srv" / "runs" / "run" / "status.json").read_text() == "{}"

@@ -18,9 +18,11 @@ import json
 from ansible.errors import AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible.template import trust_as_template
+from ansible.utils.display import Display
 
 from ansible_collections.dflash.ops.plugins.plugin_utils.release_pack import pack
 
+display = Display()
 MODULE = "dflash.ops.dflash_release_tree"
 # Options the controller consumes; the module never sees them.
 CONTROLLER_OPTIONS = ("build", "fix_variables")
@@ -88,11 +90,13 @@ class ActionModule(ActionBase):
             except (OSError, ValueError, AnsibleError) as exc:
                 return dict(result, failed=True, msg=f"cannot build the release on the controller: {exc}")
             args["release"] = f"{str(args['root']).rstrip('/')}/releases/{built['id']}"
-            with open(built["archive_b64"]) as encoded:
-                args["content"] = encoded.read()
+            args["content"] = built.pop("content")  # verified against the id, not read from the cache again
         result.update(self._execute_module(module_name=MODULE, module_args=args, task_vars=task_vars))
         if built:
             result["built"] = built
+            for problem in built["rebuilt"]:
+                display.warning(f"the controller's release cache was not trusted: {problem}; rebuilt it "
+                                f"from the source (check who can write {build['dest_dir']})")
         if result.get("validated") is False:
             host = (task_vars or {}).get("inventory_hostname", "the container")
             result.update(failed=True, msg=validation_failure(host, result, fix_variables))

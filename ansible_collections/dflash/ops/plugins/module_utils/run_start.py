@@ -27,9 +27,12 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_proc import read_st
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import POLL_SECONDS
 from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
     UnsafePath,
+    open_directory,
     open_file,
     path_problem,
+    program_problem,
     refusal,
+    tree_problem,
 )
 
 LOG_TAIL_BYTES = 4096
@@ -52,8 +55,12 @@ def preflight(params, env):
         raise RunError("command must be a non-empty list (the run's argv)")
     if chdir and not os.path.isdir(chdir):
         raise RunError(f"chdir {chdir} is not a directory")
-    if resolve_program(command[0], chdir, env) is None:
+    program = resolve_program(command[0], chdir, env)
+    if program is None:
         raise RunError(f"cannot start run: {command[0]} is not an executable file (PATH={env.get('PATH')})")
+    refused = program_refusal(program, chdir, params.get("interpreter"))
+    if refused:
+        raise RunError(refused)
     for path in (params["pidfile"], params["log_path"]):
         parent = os.path.dirname(path)
         if os.path.exists(parent) and not os.path.isdir(parent):
@@ -61,6 +68,27 @@ def preflight(params, env):
     refused = log_refusal(params["log_path"])
     if refused:
         raise RunError(refused)
+
+
+def program_refusal(program, chdir, interpreter=None):
+    """Why what the run executes as this user (root) must not be run, as the refusal message, or None:
+    the program (run.sh) and the interpreter it execs (the release's venv python) must be this user's and
+    writable by nobody else, as must every directory on their way and, when the program is in the run's
+    working directory (run.sh in its release), every file of that tree (the code it imports). Whoever
+    could change one of them could run code of their own as root."""
+    checks = [("command", program, program_problem(program))]
+    release = os.path.abspath(chdir or "/")
+    if chdir and os.path.commonpath([os.path.abspath(program), release]) == release:
+        checks.append(("release tree", chdir, tree_problem(chdir)))
+    if interpreter:
+        checks.append(("interpreter", interpreter, program_problem(interpreter)))
+    for what, path, problem in checks:
+        if problem:
+            return (f"cannot start run: {what} {path}: {problem}. It runs as uid {os.geteuid()}, so whoever "
+                    f"could change it could run code of their own as that user: {NOTHING_DONE}. Check who "
+                    f"changed it, then make it and every directory above it owned by uid {os.geteuid()} and "
+                    f"writable by it alone (chown {os.geteuid()}; chmod go-w), or deploy the release again.")
+    return None
 
 
 def log_refusal(log_path):
@@ -244,3 +272,23 @@ def read_environment_file(path):
                 raise RunError(f"environment_file {path} line {number} is not KEY=VALUE")
             values[key] = value
     return values
+
+
+def remove_private_file(path):
+    """Remove the secrets file `path` if it is there (the name itself, never what a link names, in its
+    directory reached as safe_paths walks it); whether it was there."""
+    directory, name = os.path.split(path)
+    try:
+        dir_fd = open_directory(directory)
+    except FileNotFoundError:
+        return False
+    except UnsafePath as exc:
+        reason = f"is in {directory}: {exc}"
+        raise RunError(refusal("stale_environment_file", path, reason, NOTHING_DONE)) from None
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)

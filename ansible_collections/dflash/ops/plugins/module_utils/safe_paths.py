@@ -1,12 +1,23 @@
 # Copyright: dflash-ops contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The one rule for every path a module writes or reads for a run (the pidfile and its lock, the log,
-the secrets file, the release tree): a path is used only when neither it nor its directory is a
-symbolic link, it has the expected type, this user owns it and no other user can write it, and its
-directory is this user's or root's and not writable by every user (unless sticky, as /tmp).
+"""The one rule for every path a module writes, reads or runs for a run (the pidfile and its lock, the
+log, the secrets file, the release tree, run.sh and the interpreter it execs); the trainer keeps the same
+rule for what it writes (dflash/core/safe_paths.py: change both together).
 
-Files are opened with O_NOFOLLOW inside their directory, itself opened with O_NOFOLLOW, and checked
-on the open descriptor: what is checked is what is written, even if the path changes meanwhile."""
+- Every path is reached from / one name at a time (`walk`): each directory is opened with O_NOFOLLOW
+  and O_DIRECTORY relative to the one before it (openat) and checked on its descriptor, so no name on
+  the way can be swapped between the check and the use. Each directory on the way must be root's or
+  this user's, in a directory no other user may write to (unless sticky, as /tmp, where only the
+  owner of an entry may replace it).
+- A symbolic link on the way is followed only when it passes the same test (root or this user put it
+  there, as /var/run -> /run); one in a directory another user could write is refused.
+- The file's own directory is never a symbolic link, nor is a file written or read (O_NOFOLLOW on the
+  last name); the file has the expected type, this user owns it and no other user can write it.
+- What runs as this user (run.sh, the release it is in, the interpreter it execs: `program_problem`)
+  must in addition not be writable by its group, nor any directory on its way.
+
+What is checked is what is used: the file is opened inside its directory's descriptor and checked on
+its own descriptor, even if the path changes meanwhile."""
 
 from __future__ import annotations
 
@@ -43,13 +54,23 @@ def unsafe_reason(file_stat, dir_stat, euid, directory=False, private=False):
     return directory_reason(dir_stat, euid)
 
 
-def directory_reason(dir_stat, euid):
-    """Why a directory must not hold files this module trusts, or None."""
+def directory_reason(dir_stat, euid, group_too=False):
+    """Why a directory must not hold files this module trusts, or None. `group_too`: a group that may
+    write to it counts as other users (what runs as root)."""
     if dir_stat.st_uid not in (euid, 0):
         return f"is in a directory owned by uid {dir_stat.st_uid} (another user can replace what is in it)"
-    if dir_stat.st_mode & 0o002 and not dir_stat.st_mode & S_ISVTX:
-        return f"is in a directory every user can write to (mode {S_IMODE(dir_stat.st_mode):04o})"
+    writers = OTHERS_WRITE if group_too else 0o002
+    if dir_stat.st_mode & writers and not dir_stat.st_mode & S_ISVTX:
+        who = "other users" if group_too else "every user"
+        return f"is in a directory {who} can write to (mode {S_IMODE(dir_stat.st_mode):04o})"
     return None
+
+
+def entry_reason(entry_stat, dir_stat, euid, group_too=False):
+    """Why a directory or a symbolic link on the way to a path must not be passed through, or None."""
+    if entry_stat.st_uid not in (euid, 0):
+        return f"is owned by uid {entry_stat.st_uid} (that user can replace what is in it)"
+    return directory_reason(dir_stat, euid, group_too)
 
 
 def _link_reason(path, kind="regular file"):
@@ -59,26 +80,84 @@ def _link_reason(path, kind="regular file"):
         return f"is a symbolic link, not a {kind}"
 
 
-def open_directory(path):
-    """A descriptor of directory `path`, which must not be a symbolic link; raises UnsafePath."""
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Symbolic links followed on the way to one path at most (the kernel's own limit).
+MAX_LINKS = 40
+
+
+def walk(path, follow_last=False, group_too=False, kind="directory"):
+    """A descriptor of `path` reached from / one name at a time: each directory opened with O_NOFOLLOW
+    relative to the one before it and checked by entry_reason on its descriptor; a symbolic link on the
+    way followed only when entry_reason finds nothing against it; the last name opened as a directory
+    (a regular file, opened read-only, with `kind` 'regular file'), never through a symbolic link unless
+    `follow_last`. Raises UnsafePath naming the name at fault (or OSError: FileNotFoundError)."""
+    euid = os.geteuid()
+    names = [name for name in os.path.abspath(path or ".").split("/") if name]
+    links = 0
+    fd = os.open("/", DIRECTORY_FLAGS)
+    here = "/"
     try:
-        return os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
-            raise UnsafePath(path, _link_reason(path, "directory")) from None
-        if exc.errno == errno.ENOTDIR:
-            raise UnsafePath(path, "is not a directory") from None
+        while names:
+            name = names.pop(0)
+            last = not names
+            flags = DIRECTORY_FLAGS if not last or kind == "directory" else \
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            current = os.path.join(here, name)
+            holder = os.fstat(fd)
+            try:
+                child = os.open(name, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                info = os.lstat(name, dir_fd=fd)
+                if not S_ISLNK(info.st_mode):
+                    raise UnsafePath(current, "is not a directory") from None
+                target = os.readlink(name, dir_fd=fd)
+                if last and not follow_last:
+                    raise UnsafePath(current, f"is a symbolic link (to {target}), not a {kind}") from None
+                reason = entry_reason(info, holder, euid, group_too)
+                links += 1
+                if reason or links > MAX_LINKS:
+                    raise UnsafePath(current, f"is a symbolic link (to {target}) that is not trusted: it "
+                                              f"{reason or 'is one of too many links on the way'}") from None
+                names = [n for n in os.path.normpath(os.path.join(here, target)).split("/") if n] + names
+                os.close(fd)
+                fd, here = os.open("/", DIRECTORY_FLAGS), "/"
+                continue
+            os.close(fd)
+            fd, here = child, current
+            reason = entry_reason(os.fstat(fd), holder, euid, group_too) if not last or kind == "directory" \
+                else directory_reason(holder, euid, group_too)
+            if reason:
+                raise UnsafePath(current, reason)
+        return fd
+    except BaseException:
+        os.close(fd)
         raise
 
 
+def open_directory(path):
+    """A descriptor of directory `path` (walk): `path` must not be a symbolic link and every directory
+    on the way to it must be trusted; raises UnsafePath."""
+    return walk(path)
+
+
+def _in_directory(path, directory, exc):
+    """The reason of `path` when the walk to its `directory` refused `exc.path`."""
+    if os.path.abspath(exc.path) == os.path.abspath(directory or "."):
+        return f"is in {directory}, which {exc.reason}"
+    return f"is in {directory}, and {exc.path} on the way to it {exc.reason}"
+
+
 def open_file(path, flags=os.O_RDONLY, mode=0o644, private=False):
-    """A descriptor of `path` opened with `flags` (O_CREAT creates it with `mode`), never through a
-    symbolic link and only when unsafe_reason finds nothing; raises UnsafePath (or OSError)."""
+    """A descriptor of `path` opened with `flags` (O_CREAT creates it with `mode`) inside its directory,
+    reached by walk, never through a symbolic link and only when unsafe_reason finds nothing; raises
+    UnsafePath (or OSError)."""
     directory, name = os.path.split(path)
     try:
         dir_fd = open_directory(directory)
     except UnsafePath as exc:
-        raise UnsafePath(path, f"is in {directory}, which {exc.reason}") from None
+        raise UnsafePath(path, _in_directory(path, directory, exc)) from None
     try:
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
@@ -96,22 +175,81 @@ def open_file(path, flags=os.O_RDONLY, mode=0o644, private=False):
 
 
 def path_problem(path, directory=False):
-    """Why the existing `path` (a directory with `directory`) or its directory is not trusted, or None
-    when both are, or when `path` does not exist yet (nothing is created or changed)."""
+    """Why the existing `path` (a directory with `directory`) or a directory on the way to it is not
+    trusted, or None when all are, or when its directory does not exist yet (nothing is created or
+    changed)."""
     parent = os.path.dirname(path) or "."
     try:
-        dir_stat = os.lstat(parent)
+        dir_fd = open_directory(parent)
     except FileNotFoundError:
         return None
-    if S_ISLNK(dir_stat.st_mode):
-        return f"is in {parent}, which {_link_reason(parent, 'directory')}"
+    except UnsafePath as exc:
+        return _in_directory(path, parent, exc)
     try:
-        file_stat = os.lstat(path)
-    except FileNotFoundError:
-        return directory_reason(dir_stat, os.geteuid())
+        dir_stat = os.fstat(dir_fd)
+        try:
+            file_stat = os.lstat(os.path.basename(path), dir_fd=dir_fd)
+        except FileNotFoundError:
+            return directory_reason(dir_stat, os.geteuid())
+    finally:
+        os.close(dir_fd)
     if S_ISLNK(file_stat.st_mode):
         return _link_reason(path, "directory" if directory else "regular file")
     return unsafe_reason(file_stat, dir_stat, os.geteuid(), directory=directory)
+
+
+def program_problem(path):
+    """Why what runs as this user, `path` (run.sh, the interpreter it execs), must not be run, or None:
+    walked from / (symbolic links followed only where trusted, as exec follows them), it must be a
+    regular file of this user's (root's) that neither its group nor other users can write, nor any
+    directory on its way. Nothing is run or changed."""
+    try:
+        fd = walk(path, follow_last=True, group_too=True, kind="regular file")
+    except UnsafePath as exc:
+        return exc.reason if os.path.abspath(exc.path) == os.path.abspath(path) else \
+            f"is reached through {exc.path}, which {exc.reason}"
+    except FileNotFoundError:
+        return "does not exist"
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return program_stat_reason(info)
+
+
+def program_stat_reason(info):
+    """Why a file (or directory) of what runs as this user must not be trusted, by its stat, or None."""
+    if not (S_ISREG(info.st_mode) or S_ISDIR(info.st_mode)):
+        return "is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not by uid {os.geteuid()} that runs it"
+    if info.st_mode & OTHERS_WRITE:
+        return f"is writable by its group or other users (mode {S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def tree_problem(directory):
+    """Why the tree of `directory` (a release: run.sh, the code it imports), which runs as this user,
+    must not be run, or None: the directory as program_problem judges a file, every file and directory
+    in it as well, and no symbolic link in it. Nothing is run or changed."""
+    try:
+        top = walk(directory, group_too=True)
+    except UnsafePath as exc:
+        return f"{exc.path} {exc.reason}"
+    try:
+        reason = program_stat_reason(os.fstat(top))
+        if reason:
+            return f"{directory} {reason}"
+        for root, dirs, files, root_fd in os.fwalk(".", dir_fd=top):
+            for name in dirs + files:
+                info = os.lstat(name, dir_fd=root_fd)
+                where = os.path.normpath(os.path.join(directory, root, name))
+                reason = "is a symbolic link" if S_ISLNK(info.st_mode) else program_stat_reason(info)
+                if reason:
+                    return f"{where} {reason}"
+    finally:
+        os.close(top)
+    return None
 
 
 def refusal(what, path, reason, consequence):

@@ -56,6 +56,13 @@ options:
         program path is resolved against O(chdir), a bare name in the run's C(PATH).
     type: list
     elements: str
+  interpreter:
+    description:
+      - The program the command execs (the release's venv C(python) that C(run.sh) execs), checked as
+        the command is before the start (and the boot's start again). It, the command, every directory
+        on their way and, when the command is in O(chdir), every file under O(chdir) must be owned by
+        the user the module runs as and writable by it alone, or nothing is stopped or started.
+    type: path
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -133,6 +140,12 @@ options:
         secrets (tokens), which never pass through the module's arguments or result. The file must
         be owned by the module's user and readable by it alone (mode 0600).
     type: path
+  stale_environment_file:
+    description:
+      - A secrets file this start no longer uses (the run's secrets were emptied), removed right before
+        V(started) or V(restarted) starts the run (never through a symbolic link), so no secret stays
+        behind; RV(removed_environment_file) says so.
+    type: path
   idle_gpus:
     description:
       - Indices of the GPUs the run uses. Before V(started) or V(restarted) starts the run (after the
@@ -203,7 +216,7 @@ EXAMPLES = r"""
     command: [/opt/dflash/current/run.sh]
     expect_pid: "{{ inspected.pid or 0 }}"
     wait_for: '"event": *"step"'
-    environment_file: /var/lib/dflash/main.env
+    environment_file: /var/lib/dflash/secrets/main.env
 
 - name: Begin a restart as an async job (it may wait minutes for a checkpoint and for idle GPUs).
   dflash.ops.training_run:
@@ -237,6 +250,10 @@ RETURN = r"""
 status:
   description: V(running) or V(stopped), when the module returns.
   returned: always
+  type: str
+removed_environment_file:
+  description: The O(stale_environment_file) this start removed.
+  returned: when one was removed
   type: str
 pid:
   description: Pid of the run (the new one after a start), or null.
@@ -372,6 +389,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     log_tail,
     preflight,
     read_environment_file,
+    remove_private_file,
     start_run,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
@@ -382,6 +400,7 @@ ARGUMENT_SPEC = dict(
     pidfile=dict(type="path"),
     command=dict(type="list", elements="str"),
     chdir=dict(type="path"),
+    interpreter=dict(type="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
     stop_timeout=dict(type="float", default=120),
@@ -394,6 +413,7 @@ ARGUMENT_SPEC = dict(
     async_results_file=dict(type="path"),
     expect_pid=dict(type="int"),
     environment_file=dict(type="path"),
+    stale_environment_file=dict(type="path"),
     idle_gpus=dict(type="list", elements="int"),
     idle_max_memory_mib=dict(type="int", default=100),
     idle_timeout=dict(type="float", default=60),
@@ -512,6 +532,8 @@ def apply_state(module, env, phases):
         except RunError as exc:
             exc.result.update(result, **stopped_result(record, verdict))
             raise
+    if params["stale_environment_file"] and remove_private_file(params["stale_environment_file"]):
+        result["removed_environment_file"] = params["stale_environment_file"]
     phases.set(run_job.start_phase(params["wait_for"]))
     new_record, startup = start_run(params, env)
     msg = f"started {describe(new_record)}"

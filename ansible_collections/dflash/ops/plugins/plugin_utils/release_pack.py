@@ -6,9 +6,11 @@ run.sh) plus REVISION, as one reproducible tar.gz archive and its base64 text.
 The release id is a content hash of the code and the rendered files, so an unchanged tree and config give
 the same id (and the container gets nothing new), and containers that render the same files share one
 release: its archive is written once (the first packer wins; REVISION records when), so every container
-of it gets the same bytes, whichever of the deploy's processes packed it first. The base64 text rides in
-the arguments of the container's module call (`dflash_release_tree`, whose action plugin packs), so the
-release needs no file transfer of its own.
+of it gets the same bytes, whichever of the deploy's processes packed it first. The cache is trusted by
+content, not by name: a cached archive is reused only when it holds exactly the files the id hashes (and
+its base64 text only when it is that archive's), and is rebuilt otherwise, which the deploy says. The
+base64 text rides in the arguments of the container's module call (`dflash_release_tree`, whose action
+plugin packs), so the release needs no file transfer of its own.
 """
 
 import base64
@@ -19,6 +21,7 @@ import io
 import os
 import tarfile
 import time
+import zlib
 
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 # The controller's archive cache: each use refreshes an archive's mtime; beyond the KEEP_ARCHIVES most
@@ -86,34 +89,105 @@ def pack(code_dir, dest_dir, revision, rendered, exclude=()):
     ).encode()
     os.makedirs(dest_dir, exist_ok=True)
     archive = os.path.join(dest_dir, f"{rid}.tar.gz")
-    if not os.path.exists(archive):
-        tmp = f"{archive}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
-                tarfile.open(fileobj=gz, mode="w") as tar:
-            for name in sorted(blobs):
-                add(tar, name, blobs[name])
-        try:
-            os.link(tmp, archive)  # first packer wins: every container of a release gets the same bytes
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
     encoded = f"{archive}.b64"
-    if not os.path.exists(encoded):
-        with open(archive, "rb") as fh:
-            data = base64.b64encode(fh.read())
+    rebuilt = []
+    problem = archive_problem(archive, rid, blobs)
+    if problem:
+        if os.path.lexists(archive):
+            rebuilt.append(f"{archive} {problem}")
+        write_archive(archive, blobs, replace=os.path.lexists(archive))
+    with open(archive, "rb") as fh:
+        data = fh.read()
+    if archive_problem(archive, rid, blobs, data=data):
+        raise ValueError(f"{archive} changed while it was packed (another deploy, or someone else): "
+                         "deploy again")
+    text = base64.b64encode(data)
+    problem = encoded_problem(encoded, text)
+    if problem:
+        if os.path.lexists(encoded):
+            rebuilt.append(f"{encoded} {problem}")
         tmp = f"{encoded}.{os.getpid()}.tmp"
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            fh.write(text)
         os.replace(tmp, encoded)
     for path in (archive, encoded):
         os.utime(path)  # used now: the newest in the cache
-    with tarfile.open(archive) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         checksums = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()
                      for m in tar.getmembers() if m.isfile()}
     prune(dest_dir)
+    # `content` is the verified text itself, never read again from the cache (which could change).
     return {"id": rid, "archive": archive, "archive_b64": encoded, "code_sha256": code_sha,
-            "files": checksums}
+            "files": checksums, "content": text.decode(), "rebuilt": rebuilt}
+
+
+def write_archive(archive, blobs, replace=False):
+    """Write the archive of `blobs`; the first packer wins (every container of a release gets the same
+    bytes, whichever of the deploy's processes packed it first) unless `replace` (a cached one that
+    failed its check)."""
+    tmp = f"{archive}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w") as tar:
+        for name in sorted(blobs):
+            add(tar, name, blobs[name])
+    try:
+        if replace:
+            os.replace(tmp, archive)
+        else:
+            os.link(tmp, archive)
+    except FileExistsError:
+        pass
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def revision_lines(data):
+    """REVISION's lines but its `created:` one (when the archive was packed first)."""
+    return [line for line in data.decode("utf-8", "replace").splitlines() if not line.startswith("created:")]
+
+
+def archive_problem(archive, rid, blobs, data=None):
+    """Why the cached `archive` (its bytes `data`, read when not given) is not release `rid` of `blobs`,
+    or None: the cache is trusted by content, never by file name. It must hold exactly the release's
+    files, each a plain file of root's with the mode `add` gives it and the content the id hashes, and
+    its REVISION but the time it was packed."""
+    try:
+        if data is None:
+            if os.path.islink(archive) or not os.path.isfile(archive):
+                return "is not a regular file" if os.path.lexists(archive) else "is missing"
+            with open(archive, "rb") as fh:
+                data = fh.read()
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            members = tar.getmembers()
+            if sorted(m.name for m in members) != sorted(blobs):
+                return "does not hold the release's files"
+            for member in members:
+                mode = 0o755 if member.name in EXECUTABLE else 0o644
+                if not member.isfile() or member.mode != mode or member.uid or member.gid:
+                    return f"holds {member.name} as something else than the release's plain file"
+                content = tar.extractfile(member).read()
+                same = (revision_lines(content) == revision_lines(blobs[member.name])
+                        if member.name == "REVISION" else content == blobs[member.name])
+                if not same:
+                    return f"holds a {member.name} whose content is not the release's (release id {rid})"
+    except (OSError, EOFError, tarfile.TarError, zlib.error) as exc:
+        return f"cannot be read as the release's archive ({exc})"
+    return None
+
+
+def encoded_problem(encoded, text):
+    """Why the cached base64 text `encoded` is not `text` (the verified archive's), or None."""
+    try:
+        if os.path.islink(encoded):
+            return "is a symbolic link"
+        with open(encoded, "rb") as fh:
+            cached = fh.read()
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    return None if cached == text else "is not the base64 text of the release's archive"
 
 
 def prune(dest_dir, keep=None, keep_seconds=None, now=None):
