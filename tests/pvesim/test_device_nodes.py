@@ -96,7 +96,8 @@ def test_an_nvswitch_board_fails_cuda_with_802_until_the_fabric_manager_of_the_d
     # pvesim up: the fabric manager of the driver's version installed, enabled and running.
     assert fabric() == ["Completed", "Success"] * 2
     assert on_node(sim, "pvesim-cuda-init").stdout == "cuInit(0): CUDA_SUCCESS, 2 device(s)\n"
-    assert on_node(sim, "nv-fabricmanager --version").stdout == f"Fabric Manager version is : {DRIVER_VERSION}\n"
+    version = on_node(sim, "nv-fabricmanager --version").stdout
+    assert version == f"Fabric Manager version is : {DRIVER_VERSION}\n"
     # Another version of it: after the reboot its unit fails, the fabric stays "In Progress", CUDA fails
     # with 802, and nvidia-smi lists every GPU anyway.
     prerequisites.set_fabric_manager(sim, "pve1", "550.90.07", running=False)

@@ -161,8 +161,8 @@ def test_an_nvswitch_board_needs_the_fabric_manager_of_the_driver_s_version_runn
     prerequisites.set_fabric_manager(s, "pve1", "550.90.07", running=False)
     verdict, line = checklist(preflight_node(s))["fabric-manager"]
     assert verdict == "FAIL" and line.startswith(
-        f"nv-fabricmanager 550.90.07 is not the driver's version {node.DRIVER_VERSION} (CUDA fails with error "
-        f"802, system not yet initialized). Fix: install NVIDIA Fabric Manager of the driver's version "
+        f"nv-fabricmanager 550.90.07 is not the driver's version {node.DRIVER_VERSION} (CUDA fails with "
+        f"error 802, system not yet initialized). Fix: install NVIDIA Fabric Manager of the driver's version "
         f"{node.DRIVER_VERSION} (nvidia-fabricmanager-550={node.DRIVER_VERSION}"), line
 
     # The driver's version, but not enabled: after a reboot it does not run and the fabric waits.
