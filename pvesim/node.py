@@ -172,10 +172,15 @@ def new_boot(files, gpu_count, prepared=False):
         shutil.rmtree(files.dev_root / f"boot-{old}", ignore_errors=True)
     (boot / "upper").mkdir(parents=True)
     (boot / "work").mkdir()
+    # The machine's own NVIDIA device nodes (a GPU machine's) are not the node's: whiteouts hide them.
+    for name in os.listdir("/dev"):
+        if name.startswith("nvidia"):
+            os.mknod(boot / "upper" / name, stat.S_IFCHR, os.makedev(0, 0))
     modules = ["nvidia"] if gpu_count else []
     if prepared and gpu_count:
         made = {**DEVICE_NODES, **{f"/dev/nvidia{i}": (195, i) for i in range(gpu_count)}}
         for path, (major, minor) in made.items():
+            (boot / "upper" / path[5:]).unlink(missing_ok=True)
             os.mknod(boot / "upper" / path[5:], stat.S_IFCHR | 0o666, os.makedev(major, minor))
         modules.append("nvidia_uvm")
     (boot / "modules").write_text("".join(f"{m}\n" for m in modules))

@@ -5,10 +5,11 @@ ordered Before=pve-guests.service run before startall; on an NVSwitch board CUDA
 until the fabric manager of the driver's version runs, while nvidia-smi lists every GPU."""
 
 import os
+import subprocess
 
 import pytest
 
-from pvesim import prerequisites
+from pvesim import node, prerequisites
 from pvesim.container import DRIVER_VERSION
 
 pytestmark = [pytest.mark.sim]
@@ -65,8 +66,12 @@ def test_device_nodes_come_from_nvidia_modprobe_and_nvidia_smi_not_from_the_boot
     assert "nvidia_uvm" in on_node(sim, "lsmod").stdout.split()
     on_node(sim, "nvidia-modprobe -c 7", rc=1)
     on_node(sim, "pct start 310")
-    # The node's devices are its own: the machine's /dev has none of them.
-    assert not any(os.path.exists(f) for f in ("/dev/nvidia-uvm", "/dev/nvidiactl"))
+    # The node's devices are its own: the machine's /dev has none of them, also when the node's tools run
+    # outside a session on the node.
+    tools = node.NodeFiles(sim.state_dir, "pve1").bin
+    assert subprocess.run([str(tools / "nvidia-smi"), "-L"], capture_output=True).returncode == 0
+    assert subprocess.run([str(tools / "nvidia-modprobe"), "-c0", "-u"], capture_output=True).returncode == 1
+    assert not [name for name in os.listdir("/dev") if name.startswith("nvidia")]
 
 
 def test_a_unit_before_pve_guests_makes_the_device_nodes_for_the_onboot_start(sim_factory):

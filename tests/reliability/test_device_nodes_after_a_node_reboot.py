@@ -32,8 +32,8 @@ def test_without_the_boot_unit_the_container_does_not_start_and_with_it_the_run_
     assert MISSING in log, log
     assert fleet.node_sh(200, "pct status 200") == "status: stopped\n"
     # The product's node check, allowed to start the container, says pct's words.
-    res = fleet.play("status.yml", "-e", "proxmox_host_start_containers=true")
-    assert res.rc != 0 and MISSING in str(res.host_results()), res
+    res = fleet.play("deploy.yml", "-e", "proxmox_host_start_containers=true")
+    assert res.rc != 0 and MISSING in str(list(res.host_results())), list(res.host_results())
 
     assert fleet.play(str(BOOT_DEVICES)).rc == 0
     fleet.sim.reboot_node("pve1")
