@@ -54,17 +54,14 @@ def node_gpus(tag, node_name, count):
     return gpus
 
 
-def node_devices(gpus):
-    """The NVIDIA device nodes a node with these GPUs has."""
-    return [f"/dev/nvidia{g['index']}" for g in gpus] + (list(CONTROL_DEVICES) if gpus else [])
-
-
-def node_gpu_state(state_dir, node_name, gpus, compute_apps):
+def node_gpu_state(state_dir, node_name, gpus, compute_apps, nvswitch=False):
     """The node's GPU state as `pvesim up` writes it (no container running yet); pct start and stop
-    record each container's passed-through GPUs and PID namespace in `containers`."""
+    record each container's passed-through GPUs and PID namespace in `containers`. `nvswitch`: an HGX
+    board, whose GPUs need the fabric manager (pvesim/bin/nv-fabricmanager). The device nodes are not
+    here: they are the node's /dev layer of its boot (pvesim.node.new_boot)."""
     return json.dumps({"state_dir": str(state_dir), "node": node_name, "compute_apps": compute_apps,
-                       "host_pidns": os.readlink("/proc/self/ns/pid"), "gpus": gpus,
-                       "devices": node_devices(gpus), "containers": {}})
+                       "host_pidns": os.readlink("/proc/self/ns/pid"), "gpus": gpus, "nvswitch": nvswitch,
+                       "containers": {}})
 
 
 def container_gpu_config(vmid):

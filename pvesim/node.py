@@ -5,8 +5,10 @@
 """
 
 import json
+import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -54,6 +56,13 @@ class NodeFiles:
         self.host_key_pub = self.root / "ssh_host_ed25519_key.pub"
         # Paths that do not exist for the node's sessions, one a line (Sim.hide_on_node).
         self.hidden_list = self.root / "hidden.list"
+        # The node's own /dev additions since its boot (the NVIDIA device nodes nvidia-modprobe, nvidia-smi
+        # or a CUDA program made): one layer a boot, `dev/current` the running boot's, laid over the
+        # machine's /dev for the node's sessions; pct reads its `upper` directly. The node's own systemd
+        # units (/etc/systemd/system) are a layer of their own, kept across reboots.
+        self.dev_root = self.root / "dev"
+        self.dev_current = self.dev_root / "current"
+        self.units_layer = self.root / "systemd"
         self.sshd_config = self.root / "sshd_config"
         self.pidfile = self.root / "sshd.pid"
         self.log = self.root / "sshd.log"
@@ -116,7 +125,7 @@ def write_node(files, address, port, authorized_keys, gpu_state_json, node_user=
     """Create the node's directories, host key, sshd_config, node-side nvidia-smi and GPU state. A
     `node_user` logs in with the key of its own ~/.ssh/authorized_keys, as on a real node."""
     for d in (files.lxcpath, files.pve_confdir, files.qemu_confdir, files.bin, files.gpu_dir,
-              files.template_cache, files.snippets):
+              files.template_cache, files.snippets, files.units_layer / "upper", files.units_layer / "work"):
         d.mkdir(parents=True, exist_ok=True)
     if not (files.root / "storage").is_symlink():
         (files.root / "storage").symlink_to(files.storage)
@@ -152,7 +161,8 @@ LogLevel INFO
 {user_keys}""")
     for tool, source in (("nvidia-smi", "nvidia-smi"), ("pvesm", "pvesm"), ("pvesh", "pvesm"),
                          ("pveversion", "pve-node-tools"), ("pveam", "pve-node-tools"),
-                         ("lsmod", "pve-node-tools")):
+                         ("lsmod", "pve-node-tools"), ("nvidia-modprobe", "nvidia-modprobe"),
+                         ("systemctl", "systemctl"), ("pvesim-cuda-init", "nvidia-modprobe")):
         shutil.copyfile(PACKAGE_BIN / source, files.bin / tool)
         (files.bin / tool).chmod(0o755)
     files.storage_config.write_text(json.dumps(DEFAULT_STORAGES))
@@ -168,13 +178,59 @@ LogLevel INFO
     return host_key
 
 
-# Run in a private mount namespace, this hides each path given as an argument behind an overlay
-# whiteout (the path is gone, its directory's other entries stay), then execs the rest of the argv.
-HIDE_SCRIPT = """\
+# A GPU node's boot as its device nodes see it: the kernel module is loaded (the driver installed), and
+# no NVIDIA device node exists until nvidia-modprobe, nvidia-smi or a CUDA program makes them (NVIDIA's
+# driver README, "How and when are the NVIDIA device files created?"; docs/PVESIM.md). `prepared`: as after
+# `nvidia-modprobe -c0 -u` and nvidia-smi ran (what `pvesim up` gives: a node its admin set up).
+DEVICE_NODES = {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (511, 0), "/dev/nvidia-uvm-tools": (511, 1)}
+
+
+def new_boot(files, gpu_count, prepared=False):
+    """Start the node's next boot's /dev layer (empty: nothing made since boot) and make it current."""
+    files.dev_root.mkdir(parents=True, exist_ok=True)
+    boots = [int(p.name[5:]) for p in files.dev_root.glob("boot-*") if p.name[5:].isdigit()]
+    boot = files.dev_root / f"boot-{max(boots, default=0) + 1}"
+    for old in boots:  # no session of an earlier boot is left (the node's sshd stopped)
+        shutil.rmtree(files.dev_root / f"boot-{old}", ignore_errors=True)
+    (boot / "upper").mkdir(parents=True)
+    (boot / "work").mkdir()
+    # The machine's own NVIDIA device nodes (a GPU machine's) are not the node's: whiteouts hide them.
+    for name in os.listdir("/dev"):
+        if name.startswith("nvidia"):
+            os.mknod(boot / "upper" / name, stat.S_IFCHR, os.makedev(0, 0))
+    modules = ["nvidia"] if gpu_count else []
+    if prepared and gpu_count:
+        made = {**DEVICE_NODES, **{f"/dev/nvidia{i}": (195, i) for i in range(gpu_count)}}
+        for path, (major, minor) in made.items():
+            (boot / "upper" / path[5:]).unlink(missing_ok=True)
+            os.mknod(boot / "upper" / path[5:], stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        modules.append("nvidia_uvm")
+    (boot / "modules").write_text("".join(f"{m}\n" for m in modules))
+    tmp = files.dev_root / "current.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(boot.name)
+    tmp.replace(files.dev_current)
+
+
+# Run in a private mount namespace: lays the node's /dev layer over /dev (the machine's submounts of /dev,
+# pts and shm, moved back on top) and its units layer over /etc/systemd/system, hides each path given as an
+# argument behind an overlay whiteout (the path is gone, its directory's other entries stay), then execs the
+# rest of the argv.
+NODE_NAMESPACE_SCRIPT = """\
 set -e
-top=$1; shift
+top=$1 dev=$2 units=$3; shift 3
+mkdir -p "$top/machine-dev"
+mount --rbind /dev "$top/machine-dev"
+mount -t overlay overlay -o "lowerdir=/dev,upperdir=$dev/upper,workdir=$dev/work" /dev
+for sub in $(findmnt -rn -o TARGET -R "$top/machine-dev" | sed -n "s|^$top/machine-dev/||p" | grep -v / \
+             | sort -u); do
+  mount --move "$top/machine-dev/$sub" "/dev/$sub"
+done
+umount -l "$top/machine-dev"
+mount -t overlay overlay -o "lowerdir=/etc/systemd/system,upperdir=$units/upper,workdir=$units/work" \
+  /etc/systemd/system
 while [ "$1" != -- ]; do
-  dir=$(dirname "$1"); name=$(basename "$1"); layer=$top/$(echo "$dir" | tr / _)
+  dir=$(dirname "$1"); name=$(basename "$1"); layer=$top/hidden/$(echo "$dir" | tr / _)
   mkdir -p "$layer/upper" "$layer/work"
   [ -e "$layer/upper/$name" ] || mknod "$layer/upper/$name" c 0 0
   mount -t overlay overlay -o "lowerdir=$dir,upperdir=$layer/upper,workdir=$layer/work" "$dir"
@@ -186,15 +242,14 @@ exec "$@"
 
 
 def start_sshd(files, address, port):
-    """Start the node's sshd (it daemonizes itself); return (pid, start time). While the node has
-    hidden paths (`files.hidden`), sshd runs in its own mount namespace where they do not exist."""
+    """Start the node's sshd (it daemonizes itself); return (pid, start time). sshd runs in a mount
+    namespace of its own where /dev has the node's device nodes of this boot, /etc/systemd/system its
+    own units, and the node's hidden paths (`files.hidden`) do not exist."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     files.pidfile.unlink(missing_ok=True)
-    argv = [SSHD, "-f", str(files.sshd_config), "-E", str(files.log)]
-    hidden = files.hidden_paths()
-    if hidden:
-        argv = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", HIDE_SCRIPT, "sh",
-                str(files.root / "hidden"), *hidden, "--", *argv]
+    argv = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", NODE_NAMESPACE_SCRIPT, "sh",
+            str(files.root), str(files.dev_current.resolve()), str(files.units_layer), *files.hidden_paths(),
+            "--", SSHD, "-f", str(files.sshd_config), "-E", str(files.log)]
     res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if res.returncode != 0:
         raise SimError(f"sshd of {files.name} did not start on {address}:{port}: "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from . import container, host, node, procs
+from . import container, host, node, prerequisites, procs
 from .host import SimError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +62,8 @@ class Sim:
     # "isolated" (each container its own network namespace, loopback only) or "loopback" (containers
     # share the machine's, each with its own 127.x.y.z address: containers on vmbr0 reaching each other).
     network: str = "isolated"
+    # HGX boards: each node's GPUs behind NVSwitches, CUDA waiting for the fabric manager.
+    nvswitch: bool = False
 
     def address_of(self, vmid):
         """The container's own address on the `loopback` network (its net0 ip); None when isolated."""
@@ -129,16 +131,22 @@ class Sim:
 
     def reboot_node(self, name, timeout=900):
         """A node's reboot as pve-guests.service does it: `pvesh create /nodes/localhost/stopall` (every
-        running container shut down, then stopped), the node's sshd down and up (its sessions end), then
-        `.../startall` (the containers with `onboot: 1`, by startup order). Returns their task log."""
+        running container shut down, then stopped), the node's sshd down and, in its next boot, up (its
+        sessions end; no NVIDIA device node exists until something makes one: node.new_boot), the node's
+        own units ordered Before=pve-guests.service, then `.../startall` (the containers with `onboot: 1`,
+        by startup order), then its other units. Returns what they said."""
         said = []
-        for step in ("stopall", "startall"):
-            if step == "startall":
+        for step in ("stopall", "before", "startall", "after"):
+            if step == "before":
                 self.stop_node(name)
+                node.new_boot(_node_files(self, name), self.gpus)
                 self.start_node(name)
-            res = self.ssh(name, f"pvesh --nooutput create /nodes/localhost/{step}", timeout=timeout)
+            pvesh = step in ("stopall", "startall")
+            command = f"pvesh --nooutput create /nodes/localhost/{step}" if pvesh else \
+                f"systemctl --pvesim-boot {step}"
+            res = self.ssh(name, command, timeout=timeout)
             said.append(res.stdout + res.stderr)
-            if res.returncode != 0:
+            if res.returncode != 0 and pvesh:  # a unit that fails is the node's, as on a real boot
                 raise SimError(f"{step} on {name} failed (exit {res.returncode}): {res.stderr.strip()}")
         return "".join(said)
 
@@ -228,7 +236,8 @@ def _from_record(data):
                gpus=data["gpus"], inventory_path=Path(data["inventory_path"]), tag=data["tag"],
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
                compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"),
-               network=data.get("network", "isolated"), sudo_rule=data.get("sudo_rule"))
+               network=data.get("network", "isolated"), sudo_rule=data.get("sudo_rule"),
+               nvswitch=data.get("nvswitch", False))
 
 
 def split_containers(containers, nodes):
@@ -304,7 +313,8 @@ def _healthy(sim):
 
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
-       gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated", sudo_rule=None):
+       gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated", sudo_rule=None,
+       nvswitch=False):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
@@ -315,7 +325,11 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     (inventory/production.example/sudoers.d/ansible_pct) plus the sim's additions (host.sudo_rules), or the
     rules of the sudoers file `sudo_rule` (sudoers.d/ansible_pct.narrow, say) instead of production's.
     `network` is "isolated" (a container reaches nothing but itself) or
-    "loopback" (containers reach each other at their own 127.x.y.z addresses, `Sim.address_of`)."""
+    "loopback" (containers reach each other at their own 127.x.y.z addresses, `Sim.address_of`).
+    The nodes come up as their admin left them since boot: every NVIDIA device node made (as
+    `nvidia-modprobe -c0 -u` and nvidia-smi make them); a reboot (`Sim.reboot_node`) makes none. `nvswitch`:
+    HGX boards, whose CUDA fails (error 802) until the fabric manager of the driver's version runs; the
+    nodes come up with it installed, enabled and running (pvesim.prerequisites.set_fabric_manager)."""
     containers = list(containers)
     if network not in container.LXC_NETWORK:
         raise SimError(f"network must be one of {', '.join(container.LXC_NETWORK)}, got {network!r}")
@@ -339,7 +353,7 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                     and current.gpus == gpus and current.inventory_path == inventory
                     and current.passthrough == layout and current.compute_apps == modes
                     and current.node_user == node_user and current.network == network
-                    and current.sudo_rule == sudo_rule)
+                    and current.sudo_rule == sudo_rule and current.nvswitch == bool(nvswitch))
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -356,18 +370,19 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
             return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user,
-                              network, sudo_rule)
+                              network, sudo_rule, bool(nvswitch))
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
 def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network,
-               sudo_rule=None):
+               sudo_rule=None, nvswitch=False):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
               compute_apps=modes, node_user=node_user, network=network, sudo_rule=sudo_rule,
+              nvswitch=nvswitch,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -381,13 +396,17 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, nod
         gpus_of_node = container.node_gpus(tag, n.name, gpus)
         n.port = node.free_port(n.address)
         node.write_node(files, n.address, n.port, authorized_keys,
-                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name]), node_user)
+                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name], nvswitch),
+                        node_user)
+        node.new_boot(files, gpus, prepared=True)
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
         sim.save()
         for vmid in n.containers:
             container.write_container(files, tag, vmid, layout[vmid], network)
     _install_node_user(sim)
     sim.trust_host_keys()
+    for n in sim.nodes if nvswitch else ():
+        prerequisites.set_fabric_manager(sim, n.name, container.DRIVER_VERSION)
     _ensure_running(sim)
     write_inventory(sim)
     return sim

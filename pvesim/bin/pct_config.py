@@ -83,15 +83,23 @@ def passthrough(options, lxc):
     return [(path, optional) for path, optional in found if path.startswith("/dev/nvidia")]
 
 
-def gpu_view(node, vmid, options, lxc):
-    """What the container will see of the node's GPUs, or the failure of its start: a devN naming a
-    device the node lacks fails in update_lxc_config (LXC/Tools.pm get_device_mode_and_rdev), a bind
-    mount of one without `optional` fails in lxc-start's mount_entry."""
+def check_devices(node, options):
+    """The node's device nodes, after checking that each devN path is one of them: LXC/Tools.pm
+    get_device_mode_and_rdev (`die "Device $path does not exist\n" if $! == ENOENT`), which pct create
+    and every start run. The node's device nodes are those made since its boot (pct's node_devices)."""
     devices = node.node_devices()
     for key in sorted(k for k in options if re.fullmatch(r"dev[0-9]+", k)):
         path = device_path(options[key])
         if path not in devices:
             raise PctError(f"Device {path} does not exist", EXIT_ENOENT)
+    return devices
+
+
+def gpu_view(node, vmid, options, lxc):
+    """What the container will see of the node's GPUs, or the failure of its start: a devN naming a
+    device the node lacks fails in update_lxc_config (LXC/Tools.pm get_device_mode_and_rdev), a bind
+    mount of one without `optional` fails in lxc-start's mount_entry."""
+    devices = check_devices(node, options)
     present = []
     for path, optional in passthrough(options, lxc):
         if path in devices:

@@ -13,6 +13,8 @@ SLICE = {
     # The one test that runs the trainer under checkpoint_support.py's hooks: a stale hook fails here.
     "test_checkpoint_faults.py": "test_no_stop_or_crash_loses_the_saved_step",
     "test_concurrent_restarts.py": "test_two_restarts_at_once_leave_one_run_and_never_two",
+    "test_device_nodes_after_a_node_reboot.py":
+        "test_without_the_boot_unit_the_container_does_not_start_and_with_it_the_run_resumes",
     "test_decoys.py": "test_stops_and_restarts_spare_every_decoy_and_leave_nothing_of_the_run",
     "test_full_disk_in_a_container.py":
         "test_a_release_unpack_on_a_full_disk_fails_clearly_and_nothing_is_switched",

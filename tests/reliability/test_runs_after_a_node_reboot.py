@@ -3,9 +3,12 @@ containers with `onboot: 1`). Each run that was live when its container stopped 
 container's boot (the dflash-resume unit), from its last checkpoint: its first step is the saved step + 1,
 and status.yml says it was started again after a boot. A run stopped on purpose stays stopped.
 
-pve1 with CT 200 and CT 201 (four GPUs each), both `onboot: 1`, a run deployed in each."""
+pve1 with CT 200 and CT 201 (four GPUs each), both `onboot: 1`, a run deployed in each, and the node's unit
+that makes the NVIDIA device nodes at boot (provision.yml's node play; without it no container passing
+them through starts: test_device_nodes_after_a_node_reboot.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow, pytest.mark.reliability_full]
 
 CONTAINERS = (200, 201)
 LOG = "/var/log/dflash/main.log"
+BOOT_DEVICES = Path(__file__).parent / "playbooks" / "boot_devices.yml"
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +30,7 @@ def fleet(tmp_path_factory):
     for fleet in deployed_fleet(tmp_path_factory.mktemp("node-reboot"), nodes=1, containers=CONTAINERS):
         for vmid in CONTAINERS:
             fleet.node_sh(vmid, f"pct set {vmid} --onboot 1")
+        assert fleet.play(str(BOOT_DEVICES)).rc == 0
         yield fleet
 
 

@@ -18,8 +18,8 @@ from pvesim.fleet import REPO, SIM_GROUP_VARS, VENV_BIN, ansible_env
 
 pytestmark = pytest.mark.sim
 
-ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "template", "nvidia-installer", "rootdir-storage",
-         "storage-room"]
+ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "device-files", "fabric-manager", "template",
+         "nvidia-installer", "rootdir-storage", "storage-room"]
 TEMPLATE = "local:vztmpl/" + node.TEMPLATE
 CHECKLIST_TASK = "Show the node's checklist."
 
@@ -77,6 +77,13 @@ def fault_nvidia_uvm(s):
     return lambda: prerequisites.set_nvidia_uvm(s, "pve1", loaded=True)
 
 
+def fault_device_nodes(s):
+    # As after a boot that made none; the check's nvidia-smi makes /dev/nvidiactl and /dev/nvidia0 again
+    # (NVML does), not CUDA's /dev/nvidia-uvm.
+    prerequisites.remove_device_nodes(s, "pve1")
+    return lambda: s.ssh("pve1", "nvidia-modprobe -c0 -u")
+
+
 def fault_old_version(s):
     prerequisites.set_pve_version(s, "pve1", "8.0.4/d258a813")
     return lambda: prerequisites.set_pve_version(s, "pve1", prerequisites.DEFAULT_VERSION)
@@ -96,12 +103,16 @@ def fault_no_installer(s):
 @pytest.mark.parametrize("fault, item, found, fix", [
     (fault_nvidia_uvm, "nvidia-uvm", "lsmod lists no nvidia_uvm",
      "modprobe nvidia-uvm && nvidia-modprobe -u -c=0"),
+    (fault_device_nodes, "device-files",
+     "not a character device (test -c): /dev/nvidia-uvm, /dev/nvidia-uvm-tools",
+     "make them now: nvidia-modprobe -c0 -u; and at every boot before the containers start: the unit "
+     "dflash-nvidia-devices.service"),
     (fault_old_version, "pve-version", "Proxmox VE 8.0.4 (needs 8.1+)", "upgrade the node to Proxmox VE 8.1"),
     (fault_no_template, "template", f"{TEMPLATE} is not on storage local (pveam list local)",
      f"pveam download local {node.TEMPLATE}"),
     (fault_no_installer, "nvidia-installer", f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run is missing",
      f"https://download.nvidia.com/XFree86/Linux-x86_64/{node.DRIVER_VERSION}/"),
-], ids=["no-nvidia-uvm", "old-pve", "no-template", "no-installer"])
+], ids=["no-nvidia-uvm", "no-device-nodes", "old-pve", "no-template", "no-installer"])
 def test_a_node_lacking_one_item_fails_naming_it_and_its_fix(node_sim, fault, item, found, fix):
     undo = fault(node_sim)
     try:
@@ -114,12 +125,13 @@ def test_a_node_lacking_one_item_fails_naming_it_and_its_fix(node_sim, fault, it
     verdict, line = items[item]
     found_part, _, fix_part = line.partition(". Fix: ")
     assert verdict == "FAIL" and found in found_part and fix in fix_part, line
-    # Each item stands on its own: the others pass.
-    assert all(v == "PASS" for name, (v, _) in items.items() if name != item), items
-    # The failure lists the item that fails, with its fix, and no other.
+    # Each item stands on its own: the others pass (without nvidia-uvm loaded its device files are missing).
+    failing = {item, "device-files"} if item == "nvidia-uvm" else {item}
+    assert all(v == "PASS" for name, (v, _) in items.items() if name not in failing), items
+    # The failure lists the items that fail, with their fixes, and no other.
     failure = res.stdout.split("Fail naming each prerequisite the node lacks and its fix.", 1)[1]
     assert f"FAIL {item}: " in failure and fix in failure
-    assert not [name for name in ITEMS if name != item and f"FAIL {name}: " in failure]
+    assert not [name for name in ITEMS if name not in failing and f"FAIL {name}: " in failure]
 
 
 def only_failure(res, item):
@@ -177,3 +189,29 @@ def test_the_newest_template_is_downloaded_when_asked_and_a_stale_pin_fails(node
     finally:
         files.template_index.write_text(json.dumps(node.TEMPLATE_INDEX))
         newer.unlink(missing_ok=True)
+
+
+def test_an_nvswitch_board_needs_the_fabric_manager_of_the_driver_s_version_running(sim_factory):
+    s = sim_factory(nodes=1, containers=(372,), gpus=2, nvswitch=True)
+    res = preflight_node(s)
+    assert res.returncode == 0, res.stdout
+    assert checklist(res)["fabric-manager"] == (
+        "PASS", f"nvidia-fabricmanager.service active, version {node.DRIVER_VERSION}, fabric Completed")
+
+    prerequisites.set_fabric_manager(s, "pve1", "550.90.07", running=False)
+    verdict, line = checklist(preflight_node(s))["fabric-manager"]
+    assert verdict == "FAIL" and line.startswith(
+        f"nv-fabricmanager 550.90.07 is not the driver's version {node.DRIVER_VERSION} (CUDA fails with "
+        f"error 802, system not yet initialized). Fix: install NVIDIA Fabric Manager of the driver's version "
+        f"{node.DRIVER_VERSION} (nvidia-fabricmanager-550={node.DRIVER_VERSION}"), line
+
+    # The driver's version, but not enabled: after a reboot it does not run and the fabric waits.
+    prerequisites.set_fabric_manager(s, "pve1", node.DRIVER_VERSION, running=False, enabled=False)
+    s.reboot_node("pve1")
+    items = checklist(preflight_node(s))
+    assert items["fabric-manager"] == (
+        "FAIL", "nvidia-fabricmanager.service is inactive (CUDA fails with error 802, system not yet "
+        "initialized). Fix: systemctl enable --now nvidia-fabricmanager.service; journalctl -u "
+        "nvidia-fabricmanager.service and /var/log/fabricmanager.log say why it stopped"), items
+    # nvidia-smi lists every GPU anyway: the driver item passes.
+    assert items["nvidia-driver"] == ("PASS", f"driver {node.DRIVER_VERSION}, 2 GPU(s)")

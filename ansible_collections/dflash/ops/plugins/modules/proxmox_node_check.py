@@ -18,6 +18,13 @@ description:
   - C(nvidia-driver) - the node's C(nvidia-smi) answers and lists a GPU; its driver version is reported.
   - C(nvidia-uvm) - C(lsmod) lists the C(nvidia_uvm) module, which makes C(/dev/nvidia-uvm) (CUDA in a
     container needs it passed through).
+  - C(device-files) - each device file the containers pass through is a character device (C(test -c)):
+    every GPU's C(/dev/nvidiaN) and O(device_files). None exists after a boot until C(nvidia-modprobe),
+    C(nvidia-smi) or a CUDA program made it, and C(pct start) refuses a missing one; the fix names
+    C(nvidia-modprobe -c0 -u) and the boot unit C(dflash-nvidia-devices.service) the role installs.
+  - C(fabric-manager) - on an NVSwitch (HGX) board (C(nvidia-smi -q) shows a Fabric State other than N/A):
+    C(nvidia-fabricmanager.service) is active, C(nv-fabricmanager --version) is the driver's version, and
+    every GPU's fabric is Completed; without it CUDA fails with error 802. Passes where there is no fabric.
   - The items below check what the node's containers of O(containers) are created with, each distinct
     template and storage once.
   - C(template) - a container's template is in the node's index (C(pveam available --section system)),
@@ -104,6 +111,11 @@ options:
     description: The GiB each root disk storage must have available, instead of the sizes of the
       containers still to create.
     type: int
+  device_files:
+    description: The device files besides each GPU's C(/dev/nvidiaN) the containers pass through.
+    type: list
+    elements: str
+    default: [/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools]
 """
 
 EXAMPLES = r"""
@@ -146,11 +158,12 @@ import socket
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils import pve_templates
+from ansible_collections.dflash.ops.plugins.module_utils import nvidia_node, pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     NvidiaSmiError,
     Query,
     find_executable,
+    run,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Pct, said
 
@@ -170,11 +183,12 @@ ARGUMENT_SPEC = dict(
     )),
     download_template=dict(type="bool", default=False),
     min_free_gib=dict(type="int"),
+    device_files=dict(type="list", elements="str", default=list(nvidia_node.CONTROL_FILES)),
 )
 # pve-manager's bin/pveversion: `pve-manager/<version>/<repoid> (running kernel: <release>)`; the version
 # is 8.2.4 on 8.x, 7.4-3 on 7.x.
 PVEVERSION = re.compile(r"^pve-manager/((\d+)\.(\d+)[0-9.-]*)/")
-DRIVER = Query("gpu", "GPU", ("index", "driver_version"))
+DRIVER = Query("gpu", "GPU", ("index", "driver_version", "minor_number"))
 DOWNLOAD_TIMEOUT = 1800
 KIB_PER_GIB = 1024 * 1024
 INSTALLER = "NVIDIA-Linux-x86_64-{}.run"
@@ -250,15 +264,26 @@ def check_driver():
            "proxmox-default-headers), until nvidia-smi on the node lists the GPUs")
     executable = find_executable()
     if executable is None:
-        return check("nvidia-driver", False, "no nvidia-smi on the node", fix), None
+        return check("nvidia-driver", False, "no nvidia-smi on the node", fix), None, []
     try:
         gpus = DRIVER.read(executable)
     except NvidiaSmiError as exc:
-        return check("nvidia-driver", False, f"nvidia-smi fails: {exc}", fix), None
+        return check("nvidia-driver", False, f"nvidia-smi fails: {exc}", fix), None, []
     if not gpus:
-        return check("nvidia-driver", False, "nvidia-smi lists no GPU", fix), None
+        return check("nvidia-driver", False, "nvidia-smi lists no GPU", fix), None, []
     version = gpus[0]["driver"]
-    return check("nvidia-driver", True, f"driver {version}, {len(gpus)} GPU(s)", fix), version
+    minors = [g["minor"] for g in gpus if g.get("minor") is not None]
+    return check("nvidia-driver", True, f"driver {version}, {len(gpus)} GPU(s)", fix), version, minors
+
+
+def query_report():
+    """`nvidia-smi -q` (the fabric's state), None when it cannot be run or fails."""
+    executable = find_executable()
+    try:
+        answer = run(executable, ["-q"]) if executable else None
+    except NvidiaSmiError:
+        return None
+    return answer.stdout if answer is not None and answer.rc == 0 else None
 
 
 def check_uvm(tools):
@@ -391,8 +416,11 @@ def distinct(values):
 def run_checks(tools, params, check_mode):
     """Every item in order; returns (checks, pve_version, driver_version, downloaded)."""
     version_check, pve_version = check_pve_version(tools, parse_min_version(params["min_pve_version"]))
-    driver_check, driver_version = check_driver()
-    checks, downloaded = [version_check, driver_check, check_uvm(tools)], False
+    driver_check, driver_version, minors = check_driver()
+    devices = nvidia_node.device_files(minors, params["device_files"]) if driver_version else []
+    checks = [version_check, driver_check, check_uvm(tools), nvidia_node.check_device_files(check, devices),
+              nvidia_node.check_fabric_manager(check, tools, query_report(), driver_version)]
+    downloaded = False
     containers = params["containers"]
     index, index_error = pve_templates.index_names(tools)
     volumes = [template_volume(c, index, index_error) for c in containers]
