@@ -18,11 +18,11 @@ description:
   - C(nvidia-driver) - the node's C(nvidia-smi) answers and lists a GPU; its driver version is reported.
   - C(nvidia-uvm) - C(lsmod) lists the C(nvidia_uvm) module, which makes C(/dev/nvidia-uvm) (CUDA in a
     container needs it passed through).
-  - C(device-files) - each device file the containers pass through is a character device (C(test -c)):
+  - C(device-files) - each device file the containers pass through is a character device (C(test -c)),
     every GPU's C(/dev/nvidiaN) and O(device_files). None exists after a boot until C(nvidia-modprobe),
     C(nvidia-smi) or a CUDA program made it, and C(pct start) refuses a missing one; the fix names
     C(nvidia-modprobe -c0 -u) and the boot unit C(dflash-nvidia-devices.service) the role installs.
-  - C(fabric-manager) - on an NVSwitch (HGX) board (C(nvidia-smi -q) shows a Fabric State other than N/A):
+  - C(fabric-manager) - on an NVSwitch (HGX) board (C(nvidia-smi -q) shows a Fabric State other than N/A),
     C(nvidia-fabricmanager.service) is active, C(nv-fabricmanager --version) is the driver's version, and
     every GPU's fabric is Completed; without it CUDA fails with error 802. Passes where there is no fabric.
   - The items below check what the node's containers of O(containers) are created with, each distinct
