@@ -70,7 +70,8 @@ CASES = [
          {"proxmox_provision_control_devices": ["/dev/nvidiactl", "/dev/nvidia-caps/nvidia-cap1"]},
          # pve-container checks every devN at create (LXC/Tools.pm get_device_mode_and_rdev), so nothing
          # is made.
-         ("pct create 205 failed on node pve1 (exit 2): Device /dev/nvidia-caps/nvidia-cap1 does not exist",),
+         ("pct create 205 failed on node pve1 (exit 2): Device /dev/nvidia-caps/nvidia-cap1 does not exist",
+          "(proxmox_provision_control_devices, proxmox_provision_gpus)"),
          fast=True),
     Case("The driver's installer missing on the node's storage", {},
          ("needs the NVIDIA user-space tools of node pve1's driver (550.127.05)",

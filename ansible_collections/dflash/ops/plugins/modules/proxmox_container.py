@@ -456,7 +456,13 @@ def create(pct, vmid, template, wanted, start):
     """pct create, then pct start; a container whose start fails is destroyed again (nothing half-made)."""
     created = pct("create", vmid, template, *options_argv(wanted), timeout=START_TIMEOUT)
     if created.rc != 0:
-        raise CheckFailed(f"pct create {vmid} failed on node {pct.node} (exit {created.rc}): {said(created)}")
+        # pve-container checks every devN path at create (LXC/Tools.pm get_device_mode_and_rdev).
+        hint = (f". A device it passes through is missing on {pct.node}: not made since the node's boot "
+                "(playbooks/preflight_node.yml's device-files item names the fix), or not one the node has "
+                "(proxmox_provision_control_devices, proxmox_provision_gpus)"
+                if re.search(r"Device \S+ does not exist", said(created)) else "")
+        raise CheckFailed(f"pct create {vmid} failed on node {pct.node} (exit {created.rc}): {said(created)}"
+                          + hint)
     if start:
         started = pct("start", vmid, timeout=START_TIMEOUT)
         if started.rc != 0:
