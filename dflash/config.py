@@ -6,7 +6,9 @@ layers whose checks it runs: with the machine checks on, regenerated data's thin
 against `data.enable_thinking` (`dflash.data.data_manifest`) and a feature cache is checked too, shard by
 shard (`dflash.data.feature_cache`, imported only then: the check of a plain config stays light). Each
 rank's predicted peak memory (`dflash.training.memory_fit`) is checked against the memory of the GPUs it
-gets: nvidia-smi's where it runs (a cuda layout with the machine checks on), or `--gpu-memory` offline."""
+gets: nvidia-smi's where it runs (a cuda layout with the machine checks on), or `--gpu-memory` offline.
+A cuda layout with the machine checks on also needs a torch built for a CUDA version the driver runs
+(`dflash.core.cuda_build`: torch's CPU build or a newer CUDA major is refused, a newer minor is noted)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 
+from dflash.core import cuda_build
 from dflash.core.config import ConfigError, TrainConfig, load_config
 from dflash.data.data_manifest import check_thinking_mode
 from dflash.training import memory_fit
@@ -52,6 +55,28 @@ def gpu_memory(cfg: TrainConfig, offline: str | None, machine: bool) -> dict[int
     raise ConfigError("pipeline", f"cannot read the GPUs' memory ({' '.join(NVIDIA_SMI_QUERY)}): {problem}")
 
 
+def check_cuda_build(cfg: TrainConfig, machine: bool) -> str | None:
+    """Refuse a cuda layout whose venv's torch cannot run on this machine's driver (ConfigError naming
+    pipeline.device and the fix); what to note when it runs, None when nothing was checked (a cpu layout,
+    the machine checks off, no nvidia-smi or no torch)."""
+    if not machine or cfg.pipeline.device != "cuda" or shutil.which(cuda_build.NVIDIA_SMI_REPORT[0]) is None:
+        return None
+    try:
+        report = cuda_build.read_report()
+    except subprocess.CalledProcessError as exc:
+        raise ConfigError("pipeline", f"cannot read the driver's CUDA version ({' '.join(exc.cmd)}): exit "
+                                      f"{exc.returncode}: {(exc.stdout + exc.stderr).strip()}") from None
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError("pipeline", f"cannot read the driver's CUDA version: {exc}") from None
+    found = cuda_build.check(report, cuda_build.torch_build())
+    if found is None:
+        return None
+    runs, message = found
+    if not runs:
+        raise ConfigError("pipeline.device", message)
+    return message
+
+
 def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = False) -> str | None:
     """Refuse a config whose ranks' predicted peaks exceed their GPUs (ConfigError with the per-term
     figures and the knob to turn); the one-line summary when it fits (with `terms`, each rank's terms
@@ -75,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--no-target-check", action="store_true",
                           help="skip the checks that need this machine: the target model, the data (and "
                                "its manifest's thinking mode) and the feature cache on disk, the GPUs of the "
-                               "layout")
+                               "layout and the driver's CUDA version against torch's")
     validate.add_argument("--json", action="store_true",
                           help='print one JSON object on stdout: {"ok": true} or {"ok": false, "key": '
                                '"data.batch_size", "message": "expected int, got \'four\'"} (exit 2)')
@@ -91,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_target_check:
             check_thinking_mode(cfg)
             check_features(cfg)
+        cuda = check_cuda_build(cfg, machine=not args.no_target_check)
         fit = check_memory(cfg, gpu_memory(cfg, args.gpu_memory, machine=not args.no_target_check),
                            terms=args.memory_terms)
     except ConfigError as exc:
@@ -101,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"ok": True, "config": str(args.config), **({"memory": fit} if fit else {})}))
+        print(json.dumps({"ok": True, "config": str(args.config), **({"memory": fit} if fit else {}),
+                          **({"cuda": cuda} if cuda else {})}))
     else:
         line, _, terms = (fit or "").partition("\n")
-        print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else ""))
+        print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else "")
+              + (f"\n{cuda}" if cuda else ""))
     return 0
 
 

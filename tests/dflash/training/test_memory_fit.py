@@ -104,7 +104,9 @@ def test_nvidia_smi_where_validate_runs_gives_the_gpus_memory(recipe, tmp_path):
     gpus(46068)
     refused = validate(config, env=env)
     assert refused.returncode == 2 and "GPU 5 has 45.0 GiB" in refused.stderr, refused.stderr + refused.stdout
-    assert calls.read_text().split() == ["--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+    # `nvidia-smi -q` for the driver's CUDA version (which this fake does not print), then the memory query.
+    assert calls.read_text().splitlines() == ["-q",
+                                              "--query-gpu=index,memory.total --format=csv,noheader,nounits"]
     gpus(143771)
     taken = validate(config, env=env)
     assert taken.returncode == 0 and "memory fits" in taken.stdout, taken.stderr
@@ -169,3 +171,38 @@ def test_an_nvidia_smi_that_fails_is_a_clear_refusal(recipe, tmp_path):
 def test_a_bad_gpu_memory_is_refused(recipe):
     done = validate(recipe(), "--no-target-check", "--gpu-memory", "lots")
     assert done.returncode == 2 and "--gpu-memory" in done.stderr
+
+
+REPORT = """
+==============NVSMI LOG==============
+
+Driver Version                        : 550.127.05
+CUDA Version                          : 12.4
+
+Attached GPUs                         : 8
+"""
+
+
+def test_a_cpu_torch_on_a_cuda_layout_is_refused_with_the_driver_and_the_wheelhouse(recipe, tmp_path):
+    """nvidia-smi -q says driver 550 (CUDA 12.4); this venv's torch is the CPU wheel: validate refuses the
+    cuda layout at pipeline.device (the release role names dflash_release_device), before any worker."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this venv's torch is a CUDA build")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    rows = "".join(f"{i}, 143771\\n" for i in range(8))
+    (bin_dir / "report").write_text(REPORT)
+    (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\nif [ "$1" = -q ]; then cat {bin_dir}/report; '
+                                        f'else printf "{rows}"; fi\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    done = validate(recipe(), "--json", env=env)
+    answer = json.loads(done.stdout)
+    assert done.returncode == 2 and answer["key"] == "pipeline.device", done.stdout + done.stderr
+    assert (f"torch {torch.__version__} in the venv is a CPU build" in answer["message"]
+            and "the driver 550.127.05 supports CUDA 12.4" in answer["message"]
+            and "wheel of CUDA 12.x in the wheelhouse" in answer["message"]), answer["message"]
+    # The machine checks off (an offline validate): nothing of the driver is read.
+    assert validate(recipe(), "--no-target-check", env=env).returncode == 0
