@@ -37,6 +37,25 @@ def pytest_configure(config):
         prepare_assets()
 
 
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test file's seconds (setup, call and teardown of its tests, which --dist loadfile runs on one
+    worker one after another): the per-file figures of docs/RELIABILITY.md."""
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Under `make test-reliability` (and its slice): every file's seconds, longest first."""
+    if "reliability" not in (config.getoption("markexpr") or "") or not FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `reliability_full`, wherever they are, run only under `make test-reliability`
     (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability, or when
