@@ -150,7 +150,7 @@ def test_the_start_writes_what_its_boot_runs_and_a_second_start_writes_nothing(b
     link = systemd / "multi-user.target.wants" / "dflash-resume.service"
     assert sorted(first["boot"]["changed"]) == sorted(map(str, (pyz, unit, spec_file, link))), first
     assert os.readlink(link) == "../dflash-resume.service"
-    assert f"ExecStart=/usr/bin/python3 {pyz} {box.dir}\n" in unit.read_text()
+    assert f'ExecStart="/usr/bin/python3" "{pyz}" "{box.dir}"\n' in unit.read_text()
     assert spec_file.stat().st_mode & 0o777 == 0o600
     spec = json.loads(spec_file.read_text())
     assert {k: spec[k] for k in ("command", "pidfile", "status_file", "gpus")} == dict(

@@ -60,12 +60,25 @@ After=network-online.target
 
 [Service]
 Type=simple
-ExecStart={python} {program} {directory}
+ExecStart={command}
 
 [Install]
 WantedBy=multi-user.target
 """
 _IMPORT = re.compile(rf"^from {re.escape(PACKAGE)}(?:\.(\w+) import| import (\w+))", re.MULTILINE)
+
+
+def systemd_quote(argument):
+    """`argument` as one word of a unit's command line (systemd.syntax(7), systemd.service(5)): in double
+    quotes, with backslash and double quote escaped, a newline as \\n, and `%` and `$` doubled so that
+    systemd expands neither a specifier nor a variable in it."""
+    escaped = argument.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return '"' + escaped.replace("%", "%%").replace("$", "$$") + '"'
+
+
+def exec_start(argv):
+    """A unit's ExecStart= value running `argv`, each argument quoted (systemd_quote)."""
+    return " ".join(systemd_quote(argument) for argument in argv)
 
 
 def sources(root="run_resume"):
@@ -113,6 +126,7 @@ def start_spec(params, status_file):
     return {
         "name": params["name"], "pidfile": params["pidfile"], "log_path": params["log_path"],
         "command": params["command"], "chdir": params["chdir"], "interpreter": params["interpreter"],
+        "user": params.get("user"),
         "environment_file": params["environment_file"], "startup_wait": params["startup_wait"],
         "wait_for": params["wait_for"], "wait_timeout": params["wait_timeout"], "status_file": status_file,
         "gpus": params["idle_gpus"] or [], "max_memory_mib": params["idle_max_memory_mib"],
@@ -165,8 +179,8 @@ def ensure(params, boot, check_mode=False):
     spec_path = start_file(params["pidfile"], params["name"])
     files = (
         (program, pack(sources()), 0o644),
-        (unit, UNIT.format(python=boot.get("python") or "/usr/bin/python3", program=program,
-                           directory=os.path.dirname(params["pidfile"])).encode(), 0o644),
+        (unit, UNIT.format(command=exec_start([boot.get("python") or "/usr/bin/python3", program,
+                                               os.path.dirname(params["pidfile"])])).encode(), 0o644),
         (spec_path, (json.dumps(start_spec(params, boot.get("status_file")), indent=4, sort_keys=True)
                      + "\n").encode(), 0o600),
     )

@@ -9,7 +9,8 @@ imports, standard library only) with a systemd unit, `dflash-resume.service`, th
 of the container, whatever started the container (the node's startall after the node's boot, `pct
 start`). For each run the role started (its start file `<pidfile dir>/<name>.boot.json`: the start's
 arguments and the run's GPUs) it starts the same argv again, the release's run.sh, which resumes from
-the last complete checkpoint, when all of these hold, under the run's lock as a deploy would:
+the last complete checkpoint, as the same user (the start file's `user`), when all of these hold, under
+the run's lock as a deploy would:
 
 - the pidfile is there and names no live process: the run ended without a stop. Only a stop removes a
   pidfile, so a run stopped on purpose (stop_training.yml) stays stopped; a pidfile that is not trusted
@@ -44,6 +45,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     base_environment,
     preflight,
     read_environment_file,
+    run_identity,
     start_run,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import UnsafePath, open_file
@@ -54,10 +56,11 @@ STARTED_BY = "boot"
 GPU_POLL_SECONDS = 2
 
 
-def read_json(path, private=False):
-    """The JSON object in `path` (never read through a symbolic link), or None when there is none."""
+def read_json(path, private=False, owner=None):
+    """The JSON object in `path` (never read through a symbolic link), or None when there is none.
+    `owner`: the uid of the run's user, whose file it may be (its status.json)."""
     try:
-        with os.fdopen(open_file(path, private=private)) as fh:
+        with os.fdopen(open_file(path, private=private, owner=owner)) as fh:
             data = json.load(fh)
     except FileNotFoundError:
         return None
@@ -96,8 +99,8 @@ def outcome(spec, what, msg, **extra):
 
 
 def start_params(spec):
-    keys = ("name", "pidfile", "log_path", "command", "chdir", "interpreter", "startup_wait", "wait_for",
-            "wait_timeout")
+    keys = ("name", "pidfile", "log_path", "command", "chdir", "interpreter", "user", "startup_wait",
+            "wait_for", "wait_timeout")
     return dict({key: spec.get(key) for key in keys}, started_by=STARTED_BY)
 
 
@@ -114,13 +117,14 @@ def resume(spec, executable=None):
             return outcome(spec, "running", f"already running: {describe(record)}", pid=record["pid"])
         if verdict == "unreadable":
             return outcome(spec, "left", f"pidfile {pidfile} {record.problem}: left to the operator")
-        finished = ended_by_itself(read_json(spec["status_file"]) or {})
+        identity = run_identity(spec.get("user"))
+        finished = ended_by_itself(read_json(spec["status_file"], owner=identity and identity["uid"]) or {})
         if finished:
             return outcome(spec, "left", f"not started again: {finished}")
-        env = base_environment()
+        env = base_environment(spec.get("user"))
         env.update({key: str(value) for key, value in (spec.get("environment") or {}).items()})
         if spec.get("environment_file"):
-            env.update(read_environment_file(spec["environment_file"]))
+            env.update(read_environment_file(spec["environment_file"], spec.get("user")))
         params = start_params(spec)
         preflight(params, env)
         busy = idle_problems(spec, executable)

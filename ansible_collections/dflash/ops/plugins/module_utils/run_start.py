@@ -2,11 +2,13 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 # Targets may run a Python older than 3.11 (no datetime.UTC).
 # ruff: noqa: UP017
-"""Starting a run: checks made before anything running is touched, a detached spawn in its own session,
-the pidfile written at once, and the wait for the run's first progress line in its log."""
+"""Starting a run: checks made before anything running is touched, a detached spawn in its own session
+(as the run's user when it has one: its groups, gid and uid set in the child before the exec), the
+pidfile written at once, and the wait for the run's first progress line in its log."""
 
 from __future__ import annotations
 
+import glob
 import os
 import pwd
 import re
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import time
 from datetime import datetime, timezone
+from stat import S_IMODE, S_ISCHR
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     NOTHING_DONE,
@@ -48,11 +51,78 @@ def resolve_program(argv0, chdir, env):
     return shutil.which(argv0, path=env.get("PATH", os.defpath))
 
 
+def run_identity(user):
+    """Who the run runs as when `user` is set (its uid, gid, the groups initgroups(3) would give it, its
+    home and shell), or None (the module's own user, root). Raises RunError for a user the container does
+    not have, or for root by name."""
+    if not user:
+        return None
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise RunError(f"cannot start run as user {user!r}: the container has no such user (the dflash_run "
+                       f"role creates dflash_run_user): {NOTHING_DONE}") from None
+    if entry.pw_uid == 0:
+        raise RunError(f"user {user!r} is uid 0: leave user unset to run as root: {NOTHING_DONE}")
+    return {"name": entry.pw_name, "uid": entry.pw_uid, "gid": entry.pw_gid,
+            "groups": sorted(set(os.getgrouplist(entry.pw_name, entry.pw_gid))),
+            "home": entry.pw_dir, "shell": entry.pw_shell or "/bin/sh"}
+
+
+def drop_privileges(identity):
+    """Runs in the child before exec: the run's groups, then its gid, then its uid (real, effective and
+    saved: root's cannot come back). The order matters: once the uid is not root's, groups cannot change."""
+    os.setgroups(identity["groups"])
+    os.setgid(identity["gid"])
+    os.setuid(identity["uid"])
+
+
+# The NVIDIA device files a container gets through its devN: entries (the GPUs, nvidiactl, nvidia-uvm,
+# nvidia-uvm-tools, the MIG capabilities).
+GPU_DEVICES = ("/dev/nvidia*", "/dev/nvidia-caps/*")
+
+
+def may_use(info, identity):
+    """Whether the device of stat `info` is readable and writable by `identity` (its owner's, group's or
+    others' bits, as the kernel picks them)."""
+    mode = S_IMODE(info.st_mode)
+    if info.st_uid == identity["uid"]:
+        bits = mode >> 6
+    elif info.st_gid in identity["groups"]:
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bits & 0o6 == 0o6
+
+
+def device_refusal(identity, patterns=GPU_DEVICES):
+    """Why the run's user cannot reach the container's GPUs (a /dev/nvidia* device it may not read and
+    write), as the refusal message, or None."""
+    for path in sorted(p for pattern in patterns for p in glob.glob(pattern)):
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if S_ISCHR(info.st_mode) and not may_use(info, identity):
+            mode = S_IMODE(info.st_mode)
+            return (f"cannot start run as user {identity['name']}: it may not read and write {path} "
+                    f"(owner uid {info.st_uid}, group gid {info.st_gid}, mode {mode:04o}; its groups "
+                    f"{identity['groups']}): {NOTHING_DONE}. Pass the GPUs through with a group it is in "
+                    f"(the node's container config: devN: {path},gid=<gid>,mode=0660) and make the user a "
+                    f"member of that group (dflash_run_gpu_group).")
+    return None
+
+
 def preflight(params, env):
     """Every reason the start would fail that can be known in advance."""
     command, chdir = params["command"], params["chdir"]
     if not command or not command[0]:
         raise RunError("command must be a non-empty list (the run's argv)")
+    identity = run_identity(params.get("user"))
+    if identity:
+        refused = device_refusal(identity)
+        if refused:
+            raise RunError(refused)
     if chdir and not os.path.isdir(chdir):
         raise RunError(f"chdir {chdir} is not a directory")
     program = resolve_program(command[0], chdir, env)
@@ -71,11 +141,12 @@ def preflight(params, env):
 
 
 def program_refusal(program, chdir, interpreter=None):
-    """Why what the run executes as this user (root) must not be run, as the refusal message, or None:
-    the program (run.sh) and the interpreter it execs (the release's venv python) must be this user's and
-    writable by nobody else, as must every directory on their way and, when the program is in the run's
-    working directory (run.sh in its release), every file of that tree (the code it imports). Whoever
-    could change one of them could run code of their own as root."""
+    """Why what the run executes must not be run, as the refusal message, or None: the program (run.sh)
+    and the interpreter it execs (the release's venv python) must be this user's (root's) and writable by
+    nobody else, as must every directory on their way and, when the program is in the run's working
+    directory (run.sh in its release), every file of that tree (the code it imports). Whoever could change
+    one of them could run code of their own as root, or as the run's user when it has one: that user may
+    not change what it runs either."""
     checks = [("command", program, program_problem(program))]
     release = os.path.abspath(chdir or "/")
     if chdir and os.path.commonpath([os.path.abspath(program), release]) == release:
@@ -106,20 +177,28 @@ def reset_signals():
         signal.signal(sig, signal.SIG_DFL)
 
 
-def spawn(argv, chdir, env, log_path):
+def spawn(argv, chdir, env, log_path, identity=None):
     """Fork and exec in a new session (pgid == sid == pid), stdin from /dev/null, stdout and
-    stderr appended to the log, every other descriptor closed. The module never waits for the
-    run: when it exits, the run is re-parented to init, and having no controlling terminal it gets
-    no SIGHUP when the connection closes."""
+    stderr appended to the log, every other descriptor closed; with `identity`, as that user
+    (drop_privileges, after setsid, before the exec). The log is opened here, by the module's user: the
+    run writes it through that descriptor. The module never waits for the run: when it exits, the run is
+    re-parented to init, and having no controlling terminal it gets no SIGHUP when the connection
+    closes."""
     try:
         log_fd = open_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     except UnsafePath as exc:
         raise RunError(refusal("log_path", log_path, exc.reason, NOTHING_DONE)) from None
+
+    def before_exec():
+        reset_signals()
+        if identity:
+            drop_privileges(identity)
+
     try:
         return subprocess.Popen(argv, cwd=chdir or "/", env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                 stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
-                                preexec_fn=reset_signals)
-    except OSError as exc:
+                                preexec_fn=before_exec)
+    except (OSError, subprocess.SubprocessError) as exc:
         raise RunError(f"cannot start run {argv}: {exc}") from None
     finally:
         os.close(log_fd)
@@ -199,14 +278,17 @@ def start_run(params, env):
     `log_offset` where a status with `wait_for` goes on looking)."""
     for path in (params["pidfile"], params["log_path"]):
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    identity = run_identity(params.get("user"))
     began = time.monotonic()
     watcher = LogWatcher(params["log_path"], log_size(params["log_path"]), params["wait_for"])
-    child = spawn(params["command"], params["chdir"], env, params["log_path"])
+    child = spawn(params["command"], params["chdir"], env, params["log_path"], identity)
     # Until poll() reaps it the child keeps its /proc entry, even if it has already exited.
     stat = read_stat(child.pid)
     record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,
                   argv=params["command"], chdir=params["chdir"], log_path=params["log_path"],
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if identity:  # the pidfile stays root's; the run's user is recorded (a change of user restarts it)
+        record.update(user=identity["name"], uid=identity["uid"])
     if params.get("started_by"):  # who started it, when not a deploy (run_resume: the container's boot)
         record["started_by"] = params["started_by"]
     # Written before the waits so that a module killed during them leaves the run findable.
@@ -244,22 +326,29 @@ def log_match(path, offset, pattern):
 RUN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def base_environment():
+def base_environment(user=None):
     """The environment every run starts from, whatever the module was started with: `pct exec` passes
     the node session's environment into the container (lxc-attach --keep-env), with PATH as pct
-    forces it (/sbin:/bin:/usr/sbin:/usr/bin)."""
-    user = pwd.getpwuid(os.geteuid())
-    return {"PATH": RUN_PATH, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
-            "SHELL": user.pw_shell or "/bin/sh", "LANG": "C.UTF-8"}
+    forces it (/sbin:/bin:/usr/sbin:/usr/bin). HOME, USER, LOGNAME and SHELL are the run's user's (`user`,
+    when set), else the module's user's."""
+    identity = run_identity(user)
+    if identity is None:
+        entry = pwd.getpwuid(os.geteuid())
+        identity = {"name": entry.pw_name, "home": entry.pw_dir, "shell": entry.pw_shell or "/bin/sh"}
+    return {"PATH": RUN_PATH, "HOME": identity["home"], "USER": identity["name"], "LOGNAME": identity["name"],
+            "SHELL": identity["shell"], "LANG": "C.UTF-8"}
 
 
-def read_environment_file(path):
-    """KEY=VALUE lines (blank lines and # comments skipped) of a file only its owner can read:
-    the secrets of a run never pass through the module's arguments or its result."""
+def read_environment_file(path, user=None):
+    """KEY=VALUE lines (blank lines and # comments skipped) of a file only its owner can read, root or the
+    run's user (`user`): the secrets of a run never pass through the module's arguments or its result."""
+    identity = run_identity(user)
+    owner = identity["uid"] if identity else None
     try:
-        fd = open_file(path, private=True)
+        fd = open_file(path, private=True, owner=owner)
     except UnsafePath as exc:
-        private = f" It must be owned by uid {os.geteuid()} and readable by it alone: chmod 0600 it."
+        whose = f"uid {os.geteuid()}" + (f" or by {identity['name']} (uid {owner})" if identity else "")
+        private = f" It must be owned by {whose} and readable by its owner alone: chmod 0600 it."
         raise RunError(refusal("environment_file", path, exc.reason, NOTHING_DONE) + private) from None
     values = {}
     with os.fdopen(fd) as env_file:

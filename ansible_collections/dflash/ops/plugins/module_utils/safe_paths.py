@@ -15,6 +15,8 @@ rule for what it writes (dflash/core/safe_paths.py: change both together).
   last name); the file has the expected type, this user owns it and no other user can write it.
 - What runs as this user (run.sh, the release it is in, the interpreter it execs: `program_problem`)
   must in addition not be writable by its group, nor any directory on its way.
+- What a run that runs as another user writes or is given (its status.json in its output directory, its
+  secrets file) is read with that user as `owner`: its files and directories count as this user's.
 
 What is checked is what is used: the file is opened inside its directory's descriptor and checked on
 its own descriptor, even if the path changes meanwhile."""
@@ -36,28 +38,32 @@ class UnsafePath(Exception):
         self.path, self.reason = path, reason
 
 
-def unsafe_reason(file_stat, dir_stat, euid, directory=False, private=False):
+def unsafe_reason(file_stat, dir_stat, euid, directory=False, private=False, owner=None):
     """Why a file (a directory with `directory`) and its containing directory must not be trusted, or
-    None. `private`: readable by its owner alone as well (a secrets file)."""
+    None. `private`: readable by its owner alone as well (a secrets file). `owner`: the uid of the run's
+    user, whose file it may be as well (its directory: root's, this user's or that user's)."""
     kind = "directory" if directory else "regular file"
     if S_ISLNK(file_stat.st_mode):
         return f"is a symbolic link, not a {kind}"
     if not (S_ISDIR if directory else S_ISREG)(file_stat.st_mode):
         return f"is not a {kind}"
-    if file_stat.st_uid != euid:
-        return f"is owned by uid {file_stat.st_uid}, not by uid {euid} that runs this module"
+    if file_stat.st_uid not in (euid, owner):
+        expected = f"uid {euid} that runs this module" + (f" or uid {owner} that the run runs as"
+                                                         if owner is not None else "")
+        return f"is owned by uid {file_stat.st_uid}, not by {expected}"
     mode = S_IMODE(file_stat.st_mode)
     if private and mode & 0o077:
         return f"is readable or writable by other users (mode {mode:04o})"
     if mode & OTHERS_WRITE:
         return f"is writable by other users (mode {mode:04o})"
-    return directory_reason(dir_stat, euid)
+    return directory_reason(dir_stat, euid, owner=owner)
 
 
-def directory_reason(dir_stat, euid, group_too=False):
+def directory_reason(dir_stat, euid, group_too=False, owner=None):
     """Why a directory must not hold files this module trusts, or None. `group_too`: a group that may
-    write to it counts as other users (what runs as root)."""
-    if dir_stat.st_uid not in (euid, 0):
+    write to it counts as other users (what runs as root). `owner`: a user whose directories are trusted
+    as well (the run's user, for what it writes)."""
+    if dir_stat.st_uid not in (euid, 0, owner):
         return f"is in a directory owned by uid {dir_stat.st_uid} (another user can replace what is in it)"
     writers = OTHERS_WRITE if group_too else 0o002
     if dir_stat.st_mode & writers and not dir_stat.st_mode & S_ISVTX:
@@ -66,11 +72,11 @@ def directory_reason(dir_stat, euid, group_too=False):
     return None
 
 
-def entry_reason(entry_stat, dir_stat, euid, group_too=False):
+def entry_reason(entry_stat, dir_stat, euid, group_too=False, owner=None):
     """Why a directory or a symbolic link on the way to a path must not be passed through, or None."""
-    if entry_stat.st_uid not in (euid, 0):
+    if entry_stat.st_uid not in (euid, 0, owner):
         return f"is owned by uid {entry_stat.st_uid} (that user can replace what is in it)"
-    return directory_reason(dir_stat, euid, group_too)
+    return directory_reason(dir_stat, euid, group_too, owner)
 
 
 def _link_reason(path, kind="regular file"):
@@ -85,12 +91,13 @@ DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LINKS = 40
 
 
-def walk(path, follow_last=False, group_too=False, kind="directory"):
+def walk(path, follow_last=False, group_too=False, kind="directory", owner=None):
     """A descriptor of `path` reached from / one name at a time: each directory opened with O_NOFOLLOW
     relative to the one before it and checked by entry_reason on its descriptor; a symbolic link on the
     way followed only when entry_reason finds nothing against it; the last name opened as a directory
     (a regular file, opened read-only, with `kind` 'regular file'), never through a symbolic link unless
-    `follow_last`. Raises UnsafePath naming the name at fault (or OSError: FileNotFoundError)."""
+    `follow_last`. `owner`: a user whose directories and links are trusted too (entry_reason). Raises
+    UnsafePath naming the name at fault (or OSError: FileNotFoundError)."""
     euid = os.geteuid()
     names = [name for name in os.path.abspath(path or ".").split("/") if name]
     links = 0
@@ -115,7 +122,7 @@ def walk(path, follow_last=False, group_too=False, kind="directory"):
                 target = os.readlink(name, dir_fd=fd)
                 if last and not follow_last:
                     raise UnsafePath(current, f"is a symbolic link (to {target}), not a {kind}") from None
-                reason = entry_reason(info, holder, euid, group_too)
+                reason = entry_reason(info, holder, euid, group_too, owner)
                 links += 1
                 if reason or links > MAX_LINKS:
                     raise UnsafePath(current, f"is a symbolic link (to {target}) that is not trusted: it "
@@ -126,8 +133,8 @@ def walk(path, follow_last=False, group_too=False, kind="directory"):
                 continue
             os.close(fd)
             fd, here = child, current
-            reason = entry_reason(os.fstat(fd), holder, euid, group_too) if not last or kind == "directory" \
-                else directory_reason(holder, euid, group_too)
+            reason = entry_reason(os.fstat(fd), holder, euid, group_too, owner) \
+                if not last or kind == "directory" else directory_reason(holder, euid, group_too, owner)
             if reason:
                 raise UnsafePath(current, reason)
         return fd
@@ -136,10 +143,10 @@ def walk(path, follow_last=False, group_too=False, kind="directory"):
         raise
 
 
-def open_directory(path):
+def open_directory(path, owner=None):
     """A descriptor of directory `path` (walk): `path` must not be a symbolic link and every directory
     on the way to it must be trusted; raises UnsafePath."""
-    return walk(path)
+    return walk(path, owner=owner)
 
 
 def _in_directory(path, directory, exc):
@@ -149,13 +156,14 @@ def _in_directory(path, directory, exc):
     return f"is in {directory}, and {exc.path} on the way to it {exc.reason}"
 
 
-def open_file(path, flags=os.O_RDONLY, mode=0o644, private=False):
+def open_file(path, flags=os.O_RDONLY, mode=0o644, private=False, owner=None):
     """A descriptor of `path` opened with `flags` (O_CREAT creates it with `mode`) inside its directory,
     reached by walk, never through a symbolic link and only when unsafe_reason finds nothing; raises
-    UnsafePath (or OSError)."""
+    UnsafePath (or OSError). `owner`: the run's user's uid, whose file and directories are trusted too
+    (what a run as that user writes, read back)."""
     directory, name = os.path.split(path)
     try:
-        dir_fd = open_directory(directory)
+        dir_fd = open_directory(directory, owner)
     except UnsafePath as exc:
         raise UnsafePath(path, _in_directory(path, directory, exc)) from None
     try:
@@ -165,7 +173,7 @@ def open_file(path, flags=os.O_RDONLY, mode=0o644, private=False):
             if exc.errno == errno.ELOOP:
                 raise UnsafePath(path, _link_reason(path)) from None
             raise
-        reason = unsafe_reason(os.fstat(fd), os.fstat(dir_fd), os.geteuid(), private=private)
+        reason = unsafe_reason(os.fstat(fd), os.fstat(dir_fd), os.geteuid(), private=private, owner=owner)
         if reason:
             os.close(fd)
             raise UnsafePath(path, reason)

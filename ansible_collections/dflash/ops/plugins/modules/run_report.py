@@ -143,11 +143,12 @@ def release_name(path):
     return os.path.basename(os.path.normpath(path)) if path else "-"
 
 
-def read_object(path):
+def read_object(path, owner=None):
     """A JSON object file as data, never read through a symbolic link or from a file other users could
-    write; {} when it is missing, unreadable, not trusted or not a JSON object."""
+    write; {} when it is missing, unreadable, not trusted or not a JSON object. `owner`: the uid of the
+    run's user (the pidfile's `uid`), whose file and directories it may be (status.json)."""
     try:
-        with os.fdopen(open_file(path), "rb") as handle:
+        with os.fdopen(open_file(path, owner=owner), "rb") as handle:
             data = json.load(handle)
     except (OSError, ValueError, UnsafePath):
         return {}
@@ -182,7 +183,7 @@ def report(params):
         log_tail=log_tail(params["log_path"]) if verdict not in ("absent", "live") else "",
         release=release_name(os.readlink(current)) if os.path.islink(current) else "-",
         running_release=release_name(os.path.dirname(argv0)),
-        progress=read_object(os.path.join(params["output_dir"], "status.json")),
+        progress=read_object(os.path.join(params["output_dir"], "status.json"), run.get("uid")),
         started_by=run.get("started_by", "") if verdict == "live" else "",
         started_at=run.get("started_at", "") if verdict == "live" else "",
         boot=read_object(boot_result),

@@ -63,6 +63,19 @@ options:
         on their way and, when the command is in O(chdir), every file under O(chdir) must be owned by
         the user the module runs as and writable by it alone, or nothing is stopped or started.
     type: path
+  user:
+    description:
+      - The user the run runs as (an existing unprivileged user of the container). The child sets the
+        groups C(initgroups) would give it, then its gid, then its uid, after it left the module's session
+        and before it execs O(command); C(HOME), C(USER), C(LOGNAME) and C(SHELL) are that user's.
+      - What stays the module's (root's) - the pidfile, its lock, the log (opened by the module, written by
+        the run through its descriptor), the checks of O(command), O(interpreter) and the release - is
+        unchanged, so the user can change none of what it runs. O(environment_file) may be that user's.
+      - Before anything is stopped the start fails if the user does not exist, or if it may not read and
+        write a C(/dev/nvidia*) device of the container (the GPU passthrough's C(gid=) and C(mode=)).
+      - A live run started as another user counts as another run for V(started).
+      - Unset, the run runs as the module's user.
+    type: str
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -138,7 +151,7 @@ options:
     description:
       - C(KEY=VALUE) lines added to the run's environment on V(started) and V(restarted), for
         secrets (tokens), which never pass through the module's arguments or result. The file must
-        be owned by the module's user and readable by it alone (mode 0600).
+        be owned by the module's user (or O(user)) and readable by its owner alone (mode 0600).
     type: path
   stale_environment_file:
     description:
@@ -400,6 +413,7 @@ ARGUMENT_SPEC = dict(
     pidfile=dict(type="path"),
     command=dict(type="list", elements="str"),
     chdir=dict(type="path"),
+    user=dict(type="str"),
     interpreter=dict(type="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
@@ -513,9 +527,9 @@ def apply_state(module, env, phases):
             raise RunError(f"idle_gpus {params['idle_gpus']} are checked with nvidia-smi, which is not found "
                            f"(PATH={env.get('PATH')}): nothing was signalled or started")
     if state == "started" and verdict == "live":
-        if record.get("argv") == params["command"]:
+        if record.get("argv") == params["command"] and record.get("user") == params["user"]:
             return running_result(record, changed=False, msg=f"already running: {describe(record)}")
-        raise RunError(f"pidfile {params['pidfile']} is held by a live run with another command: "
+        raise RunError(f"pidfile {params['pidfile']} is held by a live run with another command or user: "
                        f"{describe(record)}; use state=restarted to replace it", **running_result(record))
     result = {}
     if verdict != "absent":  # restarted with a live run, or any stale pidfile
@@ -575,11 +589,10 @@ def main():
     default_pidfile, default_log_path = default_paths(name)
     params["pidfile"] = params["pidfile"] or default_pidfile
     params["log_path"] = params["log_path"] or default_log_path
-    env = base_environment()
-    env.update({key: str(value) for key, value in params["environment"].items()})
-
     result = dict(name=name, pidfile=params["pidfile"])
     try:
+        env = base_environment(params["user"] if params["state"] in ("started", "restarted") else None)
+        env.update({key: str(value) for key, value in params["environment"].items()})
         if params["async_results_file"]:
             failed, job = run_job.job_status(params, remove=not module.check_mode)
             result.update(job)
@@ -587,7 +600,7 @@ def main():
                 module.fail_json(**result)
             module.exit_json(**result)
         if params["environment_file"] and params["state"] in ("started", "restarted"):
-            env.update(read_environment_file(params["environment_file"]))
+            env.update(read_environment_file(params["environment_file"], params["user"]))
         changes = params["state"] != "status" and not module.check_mode
         with pidfile_lock(params["pidfile"], changes), run_job.Phases(params["pidfile"], changes) as phases:
             result.update(apply_state(module, env, phases))

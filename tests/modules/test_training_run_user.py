@@ -1,0 +1,120 @@
+"""training_run's `user`: the run runs as that unprivileged user (its groups, gid and uid set in the child
+before the exec, its HOME and USER), while the pidfile, the log and the checks of what it runs stay root's;
+its GPUs must be reachable by it; its secrets file may be its own (0600); the boot unit's command is
+quoted as systemd reads it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from module_runner import alive, run_module
+
+from ansible_collections.dflash.ops.plugins.module_utils import run_boot
+from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError
+from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
+    device_refusal,
+    may_use,
+    read_environment_file,
+    run_identity,
+)
+from tests.waiting import wait_for
+
+FAKE_RUN = str(Path(__file__).parent / "fixtures" / "fake_run.py")
+# The system python: the venv's may sit under /root, which another user cannot reach.
+SYSTEM_PYTHON = "/usr/bin/python3"
+NOBODY = 65534
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+
+
+def proc_status(pid):
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: value.split() for key, value in fields.items() if key in ("Uid", "Gid", "Groups")}
+
+
+@needs_root
+def test_the_run_runs_as_its_user_and_the_stop_still_ends_it(tmp_path, processes):
+    pidfile, log = tmp_path / "main.pid", tmp_path / "main.log"
+    args = {"name": "main", "pidfile": str(pidfile), "log_path": str(log), "user": "nobody",
+            "command": [SYSTEM_PYTHON, FAKE_RUN, "--step-after", "0.2"], "wait_for": '"event": *"step"'}
+    started, rc = run_module("training_run", args)
+    assert rc == 0, started
+    pid = started["pid"]
+    processes.track(pid)
+    status = proc_status(pid)
+    assert status["Uid"] == [str(NOBODY)] * 4 and status["Gid"] == [str(NOBODY)] * 4, status
+    assert status["Groups"] == [str(NOBODY)], status  # nogroup alone: root's groups are gone
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                   if item)
+    assert (environ["USER"], environ["HOME"]) == ("nobody", "/nonexistent"), environ
+    assert (started["run"]["user"], started["run"]["uid"]) == ("nobody", NOBODY)
+    # What stays root's: the pidfile and the log (the run writes it through the start's descriptor).
+    assert pidfile.stat().st_uid == 0 and log.stat().st_uid == 0
+    assert '"event": "step"' in log.read_text()
+
+    again, rc = run_module("training_run", dict(args, user=None))
+    assert rc == 1 and "another command or user" in again["msg"], again
+    stopped, rc = run_module("training_run", {"name": "main", "pidfile": str(pidfile), "state": "stopped",
+                                              "stop_timeout": 10})
+    assert rc == 0 and stopped["how"] == "terminated", stopped
+    assert wait_for(lambda: not alive(pid))
+
+
+def test_an_unknown_user_or_root_by_name_is_refused_before_anything():
+    with pytest.raises(RunError, match="no such user"):
+        run_identity("no-such-dflash-user")
+    with pytest.raises(RunError, match="uid 0"):
+        run_identity("root")
+    assert run_identity(None) is None
+
+
+def test_a_user_may_use_a_device_through_its_owner_group_or_others_bits():
+    user = {"name": "trainer", "uid": 990, "gid": 990, "groups": [44, 990]}
+    device = lambda uid, gid, mode: SimpleNamespace(st_uid=uid, st_gid=gid, st_mode=stat.S_IFCHR | mode)  # noqa: E731
+    assert may_use(device(0, 44, 0o660), user)  # devN: ...,gid=44,mode=0660
+    assert may_use(device(0, 0, 0o666), user)
+    assert not may_use(device(0, 0, 0o660), user)
+    assert not may_use(device(0, 44, 0o640), user)  # read only
+    assert not may_use(device(990, 44, 0o066), user)  # the owner's bits count for the owner
+
+
+@needs_root
+def test_a_gpu_device_the_user_cannot_use_refuses_the_start(tmp_path):
+    device = tmp_path / "nvidia0"
+    os.mknod(device, stat.S_IFCHR | 0o660, os.makedev(1, 3))
+    device.chmod(0o660)  # mknod's mode goes through the umask
+    nobody = run_identity("nobody")
+    refused = device_refusal(nobody, [str(tmp_path / "nvidia*")])
+    assert refused and str(device) in refused and "gid=<gid>,mode=0660" in refused
+    os.chown(device, 0, NOBODY)
+    assert device_refusal(nobody, [str(tmp_path / "nvidia*")]) is None
+
+
+@needs_root
+def test_the_secrets_file_may_be_the_run_users_and_no_one_elses(tmp_path):
+    secrets = tmp_path / "main.env"
+    secrets.write_text("HF_TOKEN=abc\n")
+    secrets.chmod(0o600)
+    os.chown(secrets, NOBODY, NOBODY)
+    assert read_environment_file(str(secrets), "nobody") == {"HF_TOKEN": "abc"}
+    with pytest.raises(RunError, match="owned by uid 0 or by nobody"):
+        secrets.chmod(0o640)
+        read_environment_file(str(secrets), "nobody")
+    secrets.chmod(0o600)
+    with pytest.raises(RunError, match="owned by uid 0 and readable"):
+        read_environment_file(str(secrets))  # without the user: root's alone
+
+
+def test_the_boot_units_command_is_quoted_as_systemd_reads_it():
+    argv = ["/usr/bin/python3", "/opt/my lib/dflash-resume.pyz", '/var/lib/"d"\\flash']
+    line = run_boot.exec_start(argv)
+    assert line == '"/usr/bin/python3" "/opt/my lib/dflash-resume.pyz" "/var/lib/\\"d\\"\\\\flash"'
+    assert shlex.split(line) == argv  # as pvesim's init (and a shell) splits it
+    # systemd expands specifiers and variables inside quotes too: both doubled.
+    assert run_boot.exec_start(["/srv/100%/$HOME"]) == '"/srv/100%%/$$HOME"'
+
