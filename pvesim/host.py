@@ -108,12 +108,12 @@ def _install(path, source):
 
 
 def install_pct():
-    """Install (or refresh) /usr/sbin/pct, the dispatcher that runs each node's own package's pct, and
-    /usr/sbin/pvesm, /usr/bin/pveam and /usr/bin/pvesh, which run each node's own tools; a real Proxmox
-    VE tool at one of those paths (without pvesim's marker) is left alone."""
-    pct = (PACKAGE_BIN / "pct-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct"))
-    _install(PCT_PATH, pct.encode())
-    source = (PACKAGE_BIN / "pve-dispatch").read_bytes()
+    """Install (or refresh) the dispatcher (pvesim/bin/pve-dispatch) as /usr/sbin/pct, which runs each
+    node's own package's pct, and as /usr/sbin/pvesm, /usr/bin/pveam and /usr/bin/pvesh, which run each
+    node's own tools; a real Proxmox VE tool at one of the last three (without pvesim's marker) is left
+    alone."""
+    source = (PACKAGE_BIN / "pve-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct")).encode()
+    _install(PCT_PATH, source)
     for path in PVE_TOOL_PATHS:
         if not path.exists() or PVE_TOOLS_MARKER in path.read_text(errors="replace"):
             _install(path, source)
@@ -232,7 +232,9 @@ def unauthorize_node_user(state_dir, user):
 
 def sudo_rules(state_dir, user, node_tools, rule_file=None):
     """This sim's sudoers.d file: the rules of `rule_file` (production's by default) for the user, plus
-    pvesim's two additions."""
+    pvesim's addition, the node's simulated driver tools. No environment is kept across sudo: under sudo,
+    /usr/sbin/pct and the other dispatched tools find their node from the root sshd the session descends
+    from (pvesim/bin/pve-dispatch), never from what the caller passes."""
     rule_file = Path(rule_file or PRODUCTION_SUDO_RULE)
     production = [line.strip() for line in rule_file.read_text().splitlines()
                   if line.strip() and not line.lstrip().startswith("#")]
@@ -242,9 +244,6 @@ def sudo_rules(state_dir, user, node_tools, rule_file=None):
         f"# Written by pvesim for the sim in {state_dir}; `pvesim down` removes it.",
         f"# The rule of {rule_file}, for {user}:",
         *rules,
-        "# pvesim's addition: /usr/sbin/pct finds its node through the session's PVESIM_STATE_DIR and",
-        "# PVESIM_NODE (set by the node's sshd), which sudo's env_reset would drop.",
-        'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"',
         "# The simulated driver: each node's nvidia-smi reads the processes' environments (root's) as the",
         "# kernel driver would, and its lsmod the driver's state, so they rerun as root for another user.",
         f"{user} ALL = (root) NOPASSWD: {', '.join(str(tool) for tool in node_tools)}",

@@ -2,6 +2,7 @@
 user with production's sudo rule for /usr/sbin/pct (inventory/production.example/sudoers.d/ansible_pct)
 and the sim's additions, all of it gone after `down`."""
 
+import base64
 import json
 import pwd
 import re
@@ -56,7 +57,7 @@ def test_the_node_user_runs_pct_through_sudo_and_nothing_else_as_root(sim_factor
         s.ssh("pve1", in_ct(370, "kill", started.stdout.strip()))
     rules = (host.SUDOERS_DIR / f"pvesim-{s.tag}").read_text()
     assert re.search(rf"^{USER} ALL = \(root\) NOPASSWD: /usr/sbin/pct$", rules, re.M)
-    assert 'Defaults!/usr/sbin/pct env_keep += "PVESIM_STATE_DIR PVESIM_NODE"' in rules
+    assert "env_keep" not in rules and "SETENV" not in rules
     authorized = pwd.getpwnam(USER).pw_dir + "/.ssh/authorized_keys"
     # `up` again with the same layout keeps the sim (and its user); the user is part of the layout.
     same = dict(nodes=1, containers=(370,), gpus=2, state_dir=s.state_dir, inventory=s.inventory_path)
@@ -71,6 +72,45 @@ def test_the_node_user_runs_pct_through_sudo_and_nothing_else_as_root(sim_factor
             pwd.getpwnam(USER)
     else:
         assert str(s.state_dir) not in open(authorized).read()
+
+
+# A state dir of the node user's own, whose pct (found through provision.json) leaves a file saying who
+# ran it: as root, it would be the user's code run as root.
+EVIL_PCT = """#!/usr/bin/python3
+import os, sys
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ran-as-%d" % os.geteuid()), "w").close()
+sys.exit(0)
+"""
+
+
+def test_the_node_user_cannot_have_sudo_pct_run_code_of_its_own(sudo_sim):
+    def on_node(command):
+        return sudo_sim.ssh("pve1", command, user=USER)
+
+    evil = pwd.getpwnam(USER).pw_dir + "/evil"
+    script = f"{evil}/pkg/pvesim/bin/pct"
+    stand_in = base64.b64encode(EVIL_PCT.encode()).decode()
+    made = on_node(f"rm -rf {evil} && mkdir -p {evil}/nodes/pve1 {evil}/pkg/pvesim/bin && "
+                   f"printf '%s' '{{\"path\": \"{evil}/pkg\"}}' > {evil}/nodes/pve1/provision.json && "
+                   f"echo {stand_in} | base64 -d > {script} && chmod 755 {script} && {script}")
+    assert made.returncode == 0, made.stderr
+    ran_as_user = ["pct", f"ran-as-{pwd.getpwnam(USER).pw_uid}"]  # the stand-in works, run as the user
+    assert on_node(f"ls {evil}/pkg/pvesim/bin").stdout.split() == ran_as_user
+    # Through sudo the node is the session's own, whatever the caller passes: pvesim's pct serves CT 390.
+    forged = on_node(f"PVESIM_STATE_DIR={evil} PVESIM_NODE=pve1 sudo -n /usr/sbin/pct list")
+    assert forged.returncode == 0 and "390        running" in forged.stdout, forged
+    # This sim's rules keep no environment for pct, so sudo sets none the caller names (another sim's rules
+    # on the machine may: then the session's node serves it all the same).
+    named = on_node(f"sudo -n PVESIM_STATE_DIR={evil} PVESIM_NODE=pve1 /usr/sbin/pct list")
+    assert (named.returncode == 1 and "not allowed to set" in named.stderr) or \
+        (named.returncode == 0 and "390        running" in named.stdout), named
+    # sudo's own command line is the caller's words, not the node's sshd: a registered sim's other node
+    # named in it is not taken for the session's.
+    fake_sshd = f"-f {sudo_sim.state_dir}/nodes/pve9/sshd_config"
+    node_seen = on_node(f"sudo -n /usr/sbin/pct exec 390 -- sh -c 'echo $PVESIM_NODE' {fake_sshd}")
+    assert node_seen.stdout == "pve1\n", node_seen
+    assert on_node(f"ls {evil}/pkg/pvesim/bin").stdout.split() == ran_as_user  # never as root
+    on_node(f"rm -rf {evil}")
 
 
 def test_root_is_no_node_user(tmp_path):
