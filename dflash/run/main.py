@@ -24,6 +24,7 @@ from dflash.data.examples import DataError
 from dflash.data.target import TargetHead, load_target, step_features
 from dflash.run.cache_feed import cached_run
 from dflash.run.status import RunStatus, StatusLog
+from dflash.training.checkpoint import check_fresh_start, move_run_aside
 from dflash.training.drafter_run import DrafterRun
 
 WORKER = "trainer"  # the single process's name in status.json's workers
@@ -87,11 +88,22 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Train a DFlash drafter for a frozen target model.")
     parser.add_argument("--config", required=True,
                         help="path to the YAML training config (see docs/CONTRACTS.md)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run in run.output_dir: the run already there (checkpoints, "
+                             "status.json, logs) is moved aside to <output_dir>.previous-<UTC time>, never "
+                             "deleted")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
         check_thinking_mode(cfg)  # before any process or model starts
-    except ConfigError as exc:
+        if args.fresh:
+            aside = move_run_aside(cfg.run.output_dir)
+            if aside is not None:
+                print(f"dflash.train: --fresh: the run in {cfg.run.output_dir} moved to {aside}",
+                      file=sys.stderr)
+        else:
+            check_fresh_start(cfg.run.output_dir, cfg.run.resume)
+    except (ConfigError, UnsafePath) as exc:
         print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if cfg.pipeline.is_multi_process:

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -114,6 +115,41 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
                                   f"(a run keeps the latest run.keep_checkpoints){now}")
 
 
+def check_fresh_start(output_dir: str | Path, resume: bool) -> None:
+    """A run that does not resume (`run.resume: false`) never starts beside another run's checkpoints: it
+    would write its own among them, the latest of which are the other run's (what a resume, an export and
+    status.json would take). ConfigError names the directory and the ways out."""
+    found = [] if resume else list_checkpoints(output_dir)
+    if found:
+        listed = ", ".join(str(step_of(p)) for p in found)
+        raise ConfigError("run.resume", f"false, but {Path(output_dir) / CHECKPOINT_DIR} holds another run's "
+                          f"checkpoints (steps {listed}): a new run there would write beside them; point "
+                          "run.output_dir at a new directory, start with --fresh (the old run is moved "
+                          "aside, nothing is deleted), or set run.resume: true to continue it")
+
+
+def move_run_aside(output_dir: str | Path) -> Path | None:
+    """`--fresh`: the run in `output_dir`, whole (checkpoints, status.json, logs), renamed to a sibling
+    `<name>.previous-<UTC time>`, which is returned; None when there is nothing there. Nothing is deleted.
+    A run that is still writing there (a save in progress) is refused."""
+    path = Path(output_dir)
+    if not path.is_dir() or not any(path.iterdir()):
+        return None
+    check_directory(path)
+    writing = saves_in_progress(path)
+    if writing:
+        raise ConfigError("run.output_dir", f"a live process is writing checkpoint step {max(writing)} in "
+                          f"{path / CHECKPOINT_DIR}: stop that run before starting afresh there")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.previous-{stamp}")
+    n = 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = path.with_name(f"{path.name}.previous-{stamp}-{n}")
+    path.rename(aside)
+    return aside
+
+
 def remove_partial_saves(output_dir: str | Path) -> None:
     """Delete temp dirs left by a save that a kill interrupted. A complete checkpoint that a kill
     caught after it was moved aside and before its replacement was renamed in goes back in place.
@@ -151,8 +187,9 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     trainer_state: dict, config_yaml: str, meta: dict, keep: int) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the latest `keep`; return its path. A save
-    that fails (OSError: a full disk) removes what it wrote and raises; the earlier checkpoints stay."""
+    """Write checkpoint `step` atomically, then delete all but the latest `keep` of the checkpoints up to
+    `step` (never one of a later step); return its path. A save that fails (OSError: a full disk) removes
+    what it wrote and raises; the earlier checkpoints stay."""
     root = ensure_dir(Path(output_dir) / CHECKPOINT_DIR)
     tmp = root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
     try:
@@ -165,7 +202,10 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         if full:  # torch and safetensors report a failed write in words of their own
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
         raise
-    for stale in list_checkpoints(output_dir)[:-keep]:
+    # Only this run's lineage is pruned: the checkpoints of this step and earlier ones. A checkpoint of a
+    # later step is not this run's (another run's, newer than this one's start): it is never deleted.
+    lineage = [p for p in list_checkpoints(output_dir) if step_of(p) <= step]
+    for stale in lineage[:-keep]:
         doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
         stale.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
