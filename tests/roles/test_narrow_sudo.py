@@ -36,12 +36,14 @@ def test_the_rule_grants_the_day_to_day_commands_and_refuses_the_rest(fleet):
     assert sudo_pct(fleet, "status", "200").stdout == "status: running\n"
     assert "dev0:" in sudo_pct(fleet, "config", "200").stdout
     assert sudo_pct(fleet, "exec", "200", "--", "id", "-u").stdout == "0\n"
+    assert sudo_pct(fleet, "exec", "201", "--", "id", "-u").stdout == "0\n"  # the rule's second line
     # Root on the node, whatever the container: refused.
     for args in (("push", "200", "/etc/shadow", "/root/shadow"),
                  ("pull", "200", "/etc/hostname", "/etc/motd"), ("mount", "200"),
                  ("set", "200", "--mp0", "/,mp=/mnt/node"), ("destroy", "201"),
                  ("create", "300", "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"),
-                 ("exec", "202", "--", "id", "-u"), ("status", "202"), ("start", "200"),
+                 ("exec", "202", "--", "id", "-u"), ("exec", "2001", "--", "id", "-u"), ("status", "202"),
+                 ("start", "200"),
                  ("status", "200", "--verbose")):
         res = sudo_pct(fleet, *args)
         assert res.returncode != 0 and REFUSED in res.stderr, (args, res)
