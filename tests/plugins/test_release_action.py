@@ -1,11 +1,16 @@
 """dflash_release_tree's action plugin turns a release that does not validate into one message: the
-trainer's words and the inventory variable to fix (the bad-input table's words come from here)."""
+trainer's words and the inventory variable to fix (the bad-input table's words come from here); and it
+warns when what run.sh exports in the clear has a name that looks like a secret's."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from ansible_collections.dflash.ops.plugins.action import dflash_release_tree as action
+from pvesim.fleet import REPO, VENV_BIN
 
 FIX = {"pipeline.drafter_gpus": "dflash_release_drafter_gpus",
        "pipeline.max_restarts": "dflash_run_max_restarts"}
@@ -39,3 +44,56 @@ def test_an_answer_that_is_not_the_trainers_json_is_shown_as_it_is():
     result = failed_validation(stderr="Traceback ... ImportError: torch\n")
     msg = action.validation_failure("ct201", result, FIX)
     assert ": Traceback ... ImportError: torch. Fix dflash_release_settings.model" in msg
+
+
+def test_names_that_look_like_secrets_are_the_ones_warned_about():
+    environment = {"HF_TOKEN": "x", "wandb_api_key": "x", "DB_Password": "x", "MY_SECRET_ID": "x",
+                   "OMP_NUM_THREADS": "4", "NCCL_DEBUG": "INFO", "PYTHONUNBUFFERED": "1"}
+    assert action.secret_like_names(environment) == \
+        ["DB_Password", "HF_TOKEN", "MY_SECRET_ID", "wandb_api_key"]
+    assert action.secret_like_names({}) == action.secret_like_names(None) == []
+
+
+# The role's build on this machine (connection local): run.sh rendered from the environment, packed, unpacked.
+PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Ensure the release is live.
+      dflash.ops.dflash_release_tree:
+        root: "{dir}/opt"
+        build:
+          code_dir: "{dir}/pkg"
+          dest_dir: "{dir}/build"
+          revision: test
+          templates:
+            run.sh: run.sh.j2
+          environment: "{{{{ dflash_release_environment }}}}"
+"""
+
+
+def deploy(tmp_path, environment):
+    (tmp_path / "pkg").mkdir(exist_ok=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "templates").mkdir(exist_ok=True)
+    (tmp_path / "templates" / "run.sh.j2").write_text(
+        (REPO / "ansible_collections/dflash/ops/roles/dflash_release/templates/run.sh.j2").read_text())
+    play = tmp_path / "play.yml"
+    play.write_text(PLAY.format(dir=tmp_path))
+    variables = tmp_path / "vars.json"
+    variables.write_text(json.dumps({"dflash_release_environment": environment,
+                                     "dflash_release_venv": "/opt/dflash/venv"}))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    return subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"@{variables}",
+                           str(play)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_deploy_warns_when_run_sh_would_export_a_secret_in_the_clear(tmp_path):
+    res = deploy(tmp_path, {"HF_TOKEN": "hf_not_for_run_sh", "OMP_NUM_THREADS": "4"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    output = " ".join((res.stdout + res.stderr).split())  # the warning's lines wrapped to the terminal
+    assert "dflash_release_environment sets HF_TOKEN, which look like secrets" in output, output
+    assert "dflash_run_secret_environment" in output and "ansible-vault create secrets.yml" in output
+    quiet = deploy(tmp_path, {"OMP_NUM_THREADS": "4"})
+    assert quiet.returncode == 0 and "look like secrets" not in quiet.stdout + quiet.stderr, quiet.stdout

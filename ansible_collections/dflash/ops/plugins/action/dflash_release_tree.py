@@ -4,7 +4,8 @@
 from the role's templates, pack the release (the trainer's code and those files) into the controller's
 archive cache and hand its base64 text to the module as `content`, naming the release after its content;
 after the module, turn a release that does not validate into a failure that names the inventory variable
-to fix (`fix_variables`).
+to fix (`fix_variables`). A name of the build's `environment` (what run.sh exports in the clear) that looks
+like a secret's is warned about, with where secrets go instead.
 
 A container's release is one task: no render, pack, name or check tasks of its own on the controller. The
 templates are rendered with the task's variables as they are (the template lookup would deep-copy all of
@@ -14,6 +15,7 @@ them for each file first).
 from __future__ import annotations
 
 import json
+import re
 
 from ansible.errors import AnsibleError
 from ansible.plugins.action import ActionBase
@@ -29,6 +31,23 @@ CONTROLLER_OPTIONS = ("build", "fix_variables")
 BUILD_KEYS = ("code_dir", "dest_dir", "revision", "templates")
 # The variable named for a config key no fix_variables entry names: a key of the free-form settings.
 SETTINGS_VARIABLE = "dflash_release_settings"
+# A name of the build's environment (what run.sh exports, readable by every user of the container and
+# kept in the controller's cache) that says it holds a secret.
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
+
+
+def secret_like_names(environment):
+    """The names of `environment` that look like a secret's, sorted."""
+    return sorted(str(name) for name in environment or {} if SECRET_NAME.search(str(name)))
+
+
+def secret_environment_warning(names):
+    """The deploy's warning for names of dflash_release_environment that look like secrets."""
+    return (f"dflash_release_environment sets {', '.join(names)}, which look like secrets: run.sh exports "
+            "them in the clear, readable by every user of the container, and the controller's release cache "
+            "keeps them. Put secrets in dflash_run_secret_environment instead, in a vars file encrypted by "
+            "Ansible Vault (the README: ansible-vault create secrets.yml, then -e @secrets.yml): the start "
+            "reads them from a file root alone can read.")
 
 
 def verdict_of(validation):
@@ -91,6 +110,8 @@ class ActionModule(ActionBase):
                 return dict(result, failed=True, msg=f"cannot build the release on the controller: {exc}")
             args["release"] = f"{str(args['root']).rstrip('/')}/releases/{built['id']}"
             args["content"] = built.pop("content")  # verified against the id, not read from the cache again
+            if names := secret_like_names(build.get("environment")):
+                display.warning(secret_environment_warning(names))
         result.update(self._execute_module(module_name=MODULE, module_args=args, task_vars=task_vars))
         if built:
             result["built"] = built

@@ -72,7 +72,9 @@ options:
         - C(code_dir) the trainer's package, C(dest_dir) the controller's archive cache, C(exclude) files of
         the package that never ship, C(revision) the source revision recorded in C(REVISION), C(templates)
         {name in the release - template} of the files rendered with the task's variables (the role's
-        C(templates/) directory).
+        C(templates/) directory), and optionally C(environment), the variables C(run.sh) exports in the
+        clear (C(dflash_release_environment)) - the deploy warns about a name that looks like a secret's
+        (TOKEN, KEY, SECRET, PASSWORD), which belongs in C(dflash_run_secret_environment).
     type: dict
   fix_variables:
     description:
