@@ -126,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
+    counts = cfg.data_counts
+    warning = counts.warning(cfg.data.max_length) if counts else None
     if args.json:
         print(json.dumps({"ok": True, "config": str(args.config), **({"memory": fit} if fit else {}),
-                          **({"cuda": cuda} if cuda else {})}))
+                          **({"cuda": cuda} if cuda else {}),
+                          **({"data": counts.as_fields()} if counts else {}),
+                          **({"warning": warning} if warning else {})}))
     else:
+        if warning:
+            print(f"warning: {args.config}: {warning}", file=sys.stderr)
         line, _, terms = (fit or "").partition("\n")
         print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else "")
               + (f"\n{cuda}" if cuda else ""))

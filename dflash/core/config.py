@@ -43,6 +43,9 @@ class TrainConfig:
     # Not a key of the file: data.path's training examples once they are counted (`counted`), which
     # optim.epochs needs to become steps. Two configs that differ only here are the same config.
     examples: int | None = field(default=None, compare=False)
+    # Not a key of the file either: what data.path's rows give under this config (`surveyed`), as the run's
+    # start line and `validate` report it.
+    data_counts: DataCounts | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -154,17 +157,36 @@ def config_from_dict(raw) -> TrainConfig:
     return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
 
 
-def target_shape(target_path: str) -> tuple[int, int]:
-    """(decoder layers, vocabulary size) of the target saved at `target_path`, from its config.json."""
+def target_text_config(target_path: str) -> dict:
+    """The (text) config.json of the target saved at `target_path`. A path that is not a directory here
+    is refused, with the download command when it reads as a Hub id: nothing is fetched at run time."""
     config_file = Path(target_path) / "config.json"
     if not config_file.is_file():
-        raise ConfigError("model.target_path", f"no model at {target_path!r} (expected {config_file})")
+        hint = ""
+        hub_id = target_path.count("/") == 1 and not target_path.startswith((".", "/"))
+        if hub_id and not Path(target_path).exists():
+            hint = (f"; {target_path!r} reads as a Hugging Face Hub id, and the trainer reads a local "
+                    f"directory only (it never downloads): run huggingface-cli download {target_path} "
+                    "--local-dir <dir> and set model.target_path to that directory")
+        raise ConfigError("model.target_path", f"no model at {target_path!r} (expected {config_file}){hint}")
     try:
         raw = json.loads(config_file.read_text())
         text = raw.get("text_config") or raw
+        if not isinstance(text, dict):
+            raise TypeError(f"expected an object, got {type(text).__name__}")
+        return text
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("model.target_path", f"cannot read {config_file}: {exc!r}") from exc
+
+
+def target_shape(target_path: str) -> tuple[int, int]:
+    """(decoder layers, vocabulary size) of the target saved at `target_path`, from its config.json."""
+    text = target_text_config(target_path)
+    try:
         return int(text["num_hidden_layers"]), int(text["vocab_size"])
     except (ValueError, KeyError, TypeError) as exc:
-        message = f"cannot read num_hidden_layers and vocab_size from {config_file}: {exc!r}"
+        message = (f"cannot read num_hidden_layers and vocab_size from {Path(target_path) / 'config.json'}: "
+                   f"{exc!r}")
         raise ConfigError("model.target_path", message) from exc
 
 
@@ -172,6 +194,11 @@ def check_against_target(cfg: TrainConfig) -> None:
     """Checks that need the target on disk: it exists, the layer ids are within its depth and the
     mask token within its embedding and none of its stop or pad tokens."""
     n_layers, vocab_size = target_shape(cfg.model.target_path)
+    positions = target_text_config(cfg.model.target_path).get("max_position_embeddings")
+    if isinstance(positions, int) and cfg.data.max_length > positions:
+        raise ConfigError("data.max_length", f"{cfg.data.max_length} is over the target's "
+                          f"max_position_embeddings ({positions}): its positions beyond were never trained; "
+                          f"set data.max_length to {positions} or less")
     ids = cfg.model.target_layer_ids
     if ids is not None and max(ids) >= n_layers:
         raise ConfigError("model.target_layer_ids", f"{ids} out of range for a target with {n_layers} layers "
@@ -213,6 +240,73 @@ def count_examples(path: str | Path, max_length: int, min_loss_tokens: int | Non
             return sum(1 for line in f if line.strip() and kept(line))
     except OSError as exc:
         raise ConfigError("data.path", f"cannot read {path}: {exc.strerror}") from exc
+
+
+@dataclass(frozen=True)
+class DataCounts:
+    """data.path's rows under a config: all of them, those that form at least one block (an anchor a with
+    loss_mask[a] = loss_mask[a+1] = 1 and a <= length - block_size, within data.max_length, and kept by
+    data.min_loss_tokens), and those data.max_length cuts."""
+
+    rows: int
+    trainable: int
+    cut: int
+    filtered: int = 0  # of the rows that form no block: those data.min_loss_tokens drops
+
+    def as_fields(self) -> dict:
+        return {"rows": self.rows, "trainable_rows": self.trainable, "cut_rows": self.cut}
+
+    def warning(self, max_length: int) -> str | None:
+        """What a user should hear about these counts, None when every row trains whole."""
+        if self.trainable == self.rows and not self.cut:
+            return None
+        return (f"{self.rows - self.trainable} of {self.rows} rows form no block and are not trained on; "
+                f"data.max_length {max_length} cuts {self.cut} rows")
+
+
+def _forms_block(mask: list[int], block_size: int) -> bool:
+    return any(mask[a] and mask[a + 1] for a in range(len(mask) - block_size + 1))
+
+
+def survey_data(cfg: TrainConfig) -> DataCounts:
+    """Count data.path's rows, trainable rows and rows max_length cuts (`DataCounts`); a malformed line
+    counts as a row that trains (the loader refuses it, naming the line)."""
+    data, rows, trainable, cut, filtered = cfg.data, 0, 0, 0, 0
+    try:
+        with Path(data.path).open() as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rows += 1
+                try:
+                    row = json.loads(line)
+                    cut += len(row["input_ids"]) > data.max_length
+                    mask = row["loss_mask"][: data.max_length]
+                    if data.min_loss_tokens is not None and sum(mask) < data.min_loss_tokens:
+                        filtered += 1
+                    else:
+                        trainable += _forms_block(mask, cfg.model.block_size)
+                except (ValueError, KeyError, TypeError, IndexError):
+                    trainable += 1
+    except OSError as exc:
+        raise ConfigError("data.path", f"cannot read {data.path}: {exc.strerror}") from exc
+    return DataCounts(rows, trainable, cut, filtered)
+
+
+def surveyed(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its data counted (`survey_data`); a config under which no row forms a block is refused."""
+    counts = survey_data(cfg)
+    if counts.rows and not counts.trainable and counts.filtered:
+        raise ConfigError("data.min_loss_tokens", f"{cfg.data.path} holds no examples with "
+                          f"{cfg.data.min_loss_tokens} loss tokens or more (data.min_loss_tokens; "
+                          f"{counts.filtered} fewer)" + ("" if counts.filtered == counts.rows else
+                                                          ", and its other rows form no block"))
+    if counts.rows and not counts.trainable:
+        raise ConfigError("data.max_length", f"no row of {cfg.data.path} forms a block: {counts.rows} rows, "
+                          f"{counts.cut} cut at data.max_length {cfg.data.max_length}; a row needs two loss "
+                          f"tokens in a row at least model.block_size ({cfg.model.block_size}) tokens before "
+                          "its cut end: raise data.max_length or lower model.block_size")
+    return dataclasses.replace(cfg, data_counts=counts)
 
 
 def with_examples(cfg: TrainConfig, examples: int) -> TrainConfig:
@@ -260,7 +354,7 @@ def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
         check_data(cfg)
         check_output_dir(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
-        cfg = counted(cfg)
+        cfg = counted(surveyed(cfg))
     return cfg
 
 

@@ -205,8 +205,11 @@ class DrafterRun:
         # One line says where the step count comes from: epochs (null: optim.total_steps), examples,
         # batch_size, drafters, total_steps.
         plan = {**self.cfg.step_plan, "examples": len(self.examples)}
+        counts = self.cfg.data_counts  # data.path's rows, those that train and those max_length cuts
         self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
-                      target_layer_ids=self.layer_ids, **plan)
+                      target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}))
+        if counts is not None and counts.warning(self.cfg.data.max_length):
+            self.log.emit("warning", message=counts.warning(self.cfg.data.max_length))
         steps_this_run = 0
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()

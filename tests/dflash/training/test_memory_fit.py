@@ -30,7 +30,7 @@ def recipe(tmp_path):
     target.mkdir()
     (target / "config.json").write_text(json.dumps(QWEN3_8B))
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    data.write_text(json.dumps({"input_ids": list(range(40)), "loss_mask": [0] * 8 + [1] * 32}) + "\n")
 
     def make(model=None, data_keys=None, pipeline=None) -> Path:
         raw = {
