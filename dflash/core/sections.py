@@ -19,6 +19,7 @@ DEVICES = ("cpu", "cuda")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash.model.drafter's, without importing torch
 FEATURE_CHECKS = ("checksums", "sizes")
 LOSS_WEIGHTINGS = ("decay", "dpace")  # optim.loss_weighting
+ATTENTION_BACKENDS = ("auto", "flex", "tiles")  # model.attention_backend (dflash.model.flex)
 DEFAULT_TOTAL_STEPS = 1000  # optim.total_steps when neither it nor optim.epochs is set
 
 
@@ -97,6 +98,9 @@ class ModelConfig(Section):
     # the sliding ones: a query at position p sees keys at positions p-W+1..p (docs/SERVING.md).
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # The drafter's attention (`dflash.model.flex.choose_attention`): auto (FlexAttention compiled on
+    # CUDA, the block-sparse tiles elsewhere), flex, or tiles.
+    attention_backend: str = "auto"
     _name = "model"
 
     def __post_init__(self) -> None:
@@ -115,6 +119,8 @@ class ModelConfig(Section):
         if self.loss_chunk_size is not None:
             self._require(self.loss_chunk_size >= 1, "loss_chunk_size",
                           "must be >= 1 (scored positions per lm_head chunk) or null (no chunking)")
+        self._require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                      f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         self._check_layer_types()
 
     def _check_layer_types(self) -> None:

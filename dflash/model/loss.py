@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dflash.model.attention import BlockSparseMask
 from dflash.model.drafter import sliding_window_mask
+from dflash.model.flex import FlexBlockMask
 from dflash.model.hidden_states import document_ids
 
 
@@ -64,6 +65,25 @@ class BlockBatch:
         """The same pattern as `attention_mask`, as ranges per block (`dflash.model.attention`)."""
         return BlockSparseMask.from_blocks(self.cu_seqlens, self.block_doc, self.block_anchor,
                                            self.block_size)
+
+    @cached_property
+    def scored_rows(self) -> torch.Tensor:
+        """`[scored]` int64: the block rows with a weight, in order (what the lm_head runs on). Finding
+        them waits for the device once: read it while laying out a step, not inside its forward."""
+        return (self.weights > 0).nonzero().squeeze(1)
+
+    def block_mask(self, backend: str, context_rows: int = 0, query_rows: int = 0,
+                   compiled: bool = False) -> BlockSparseMask | FlexBlockMask:
+        """The pattern the drafter attends with: `sparse_mask` (backend `tiles`) or, for `flex`, a
+        `FlexBlockMask` on the batch's device, padded to at least `context_rows` + `query_rows`
+        (`dflash.model.flex`; `compiled`: under torch.compile)."""
+        if backend == "tiles":
+            return self.sparse_mask
+        if backend != "flex":
+            raise ValueError(f"attention backend {backend!r}: expected tiles or flex")
+        return FlexBlockMask.from_blocks(self.context_doc, self.context_pos, self.block_doc,
+                                         self.block_anchor, self.block_size, context_rows=context_rows,
+                                         query_rows=query_rows, compiled=compiled)
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
@@ -166,15 +186,28 @@ def count_correct(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
     return int((logits.argmax(-1)[scored] == labels[scored]).sum()), int(scored.sum())
 
 
+def tally_by_position(offsets: torch.Tensor, flags: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[block_size]` int64: per block position k, the rows whose offset is k and whose flag is set,
+    on the rows' device without a host round trip (no boolean indexing, no bincount's maximum)."""
+    return torch.zeros(block_size, dtype=torch.int64, device=offsets.device).index_add_(
+        0, offsets, flags.to(torch.int64))
+
+
 @torch.no_grad()
+def correct_by_position(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                        block_offsets: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count_correct_by_position` as two `[block_size]` int64 tensors on the logits' device."""
+    scored = weights > 0
+    correct = (logits.argmax(-1) == labels) & scored
+    return (tally_by_position(block_offsets, correct, block_size),
+            tally_by_position(block_offsets, scored, block_size))
+
+
 def count_correct_by_position(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                               block_offsets: torch.Tensor, block_size: int) -> tuple[list[int], list[int]]:
     """Per block position k (0..b-1, `block_offsets` giving each row's k): (scored rows whose argmax
     is the label, scored rows). Position 0, the anchor, is never scored."""
-    scored = weights > 0
-    offsets = block_offsets[scored]
-    hits = torch.bincount(offsets[logits.argmax(-1)[scored] == labels[scored]], minlength=block_size)
-    counts = torch.bincount(offsets, minlength=block_size)
+    hits, counts = correct_by_position(logits, labels, weights, block_offsets, block_size)
     return hits.tolist(), counts.tolist()
 
 
@@ -229,7 +262,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 label = labels[rows]
                 # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
                 correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
-                hits += torch.bincount(offsets[rows][correct], minlength=block_size)
+                hits += tally_by_position(offsets[rows], correct, block_size)
                 token_log_probs = log_probs.gather(1, label[:, None]).squeeze(1)
                 if ce_rows is None:
                     loss -= (weights[rows] * token_log_probs).sum()
@@ -292,6 +325,16 @@ def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     applied `chunk_size` rows at a time (`_ChunkedHeadLoss`), with what `count_correct_by_position`
     gives from the same chunks: per block position k (`offsets` giving each row's k), the scored
     rows whose argmax is the label and the scored rows. The head must be frozen."""
+    loss, hits, counts = chunked_head_loss_on_device(hidden, lm_head, labels, weights, offsets, block_size,
+                                                     chunk_size, normalizer, weigh)
+    return loss, hits.tolist(), counts.tolist()
+
+
+def chunked_head_loss_on_device(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
+                                weights: torch.Tensor, offsets: torch.Tensor, block_size: int,
+                                chunk_size: int, normalizer: float | torch.Tensor | None = None, weigh=None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunked_head_loss` with its counts left as `[block_size]` tensors on the device (no host sync)."""
     if lm_head.weight.requires_grad or lm_head.bias is not None:
         raise ValueError("chunked_head_loss needs a frozen lm_head without bias")
     if chunk_size < 1:
@@ -300,5 +343,4 @@ def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     total = total.to(weights.device).clamp_min(1e-6)
     loss, hits = _ChunkedHeadLoss.apply(hidden, lm_head.weight, labels, weights.float(), offsets, total,
                                         chunk_size, block_size, weigh)
-    counts = torch.bincount(offsets[weights > 0], minlength=block_size)
-    return loss, hits.tolist(), counts.tolist()
+    return loss, hits, tally_by_position(offsets, weights > 0, block_size)

@@ -24,12 +24,13 @@ from dflash.core.config import OptimConfig, TrainConfig
 from dflash.core.mask_token import resolve_mask_token_id
 from dflash.core.target_layers import build_target_layer_ids
 from dflash.data.target import TargetHead
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.drafter import BlockMask, DFlashDrafter, DrafterConfig
+from dflash.model.flex import choose_attention
 from dflash.model.loss import (
     BlockBatch,
     build_block_batch,
-    chunked_head_loss,
-    count_correct_by_position,
+    chunked_head_loss_on_device,
+    correct_by_position,
     dflash_loss,
     dpace_row_weights,
     sample_anchors,
@@ -110,26 +111,26 @@ def document_groups(bounds: list[int], blocks_per_document: list[int], max_token
 
 def scored_loss(drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch,
                 normalizer: float | torch.Tensor, chunk_size: int | None,
-                dpace_alpha: float | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+                dpace_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A group's share of the batch loss (sum(w * ce) / `normalizer`) from the drafter's hidden
-    states `[Q, H]`, and per block position the scored predictions equal to the label and the
-    scored predictions. The lm_head (vocab-wide) runs only where a position is scored, never on
-    anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all at once when None. With
-    `dpace_alpha` the weights are D-PACE's, from the drafter's own cross entropies of this pass
-    (`dflash.model.loss.dpace_row_weights`; the batch's weights then only say which rows are scored)."""
+    states `[Q, H]`, and per block position (`[b]` tensors) the scored predictions equal to the label
+    and the scored predictions. The lm_head (vocab-wide) runs only where a position is scored
+    (`batch.scored_rows`), never on anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all
+    at once when None. With `dpace_alpha` the weights are D-PACE's, from the drafter's own cross
+    entropies of this pass (`dflash.model.loss.dpace_row_weights`; the batch's weights then only say
+    which rows are scored). Nothing here waits for the device."""
     block_size = drafter.cfg.block_size
-    is_scored = batch.weights > 0
-    labels, weights = batch.labels[is_scored], batch.weights[is_scored]
-    rows = torch.arange(is_scored.numel(), device=is_scored.device)[is_scored]
+    rows = batch.scored_rows
+    labels, weights = batch.labels[rows], batch.weights[rows]
     offsets = rows % block_size
     weigh = None if dpace_alpha is None else functools.partial(
-        dpace_row_weights, rows=rows, n_rows=is_scored.numel(), block_size=block_size, alpha=dpace_alpha)
+        dpace_row_weights, rows=rows, n_rows=batch.weights.numel(), block_size=block_size, alpha=dpace_alpha)
     if chunk_size is not None:
-        return chunked_head_loss(hidden[is_scored], drafter.lm_head, labels, weights, offsets, block_size,
-                                 chunk_size, normalizer, weigh)
-    logits = drafter.logits(hidden[is_scored])
+        return chunked_head_loss_on_device(hidden[rows], drafter.lm_head, labels, weights, offsets,
+                                           block_size, chunk_size, normalizer, weigh)
+    logits = drafter.logits(hidden[rows])
     loss = dflash_loss(logits, labels, weights, normalizer=normalizer, weigh=weigh)
-    return (loss, *count_correct_by_position(logits, labels, weights, offsets, block_size))
+    return (loss, *correct_by_position(logits, labels, weights, offsets, block_size))
 
 
 @dataclass
@@ -203,6 +204,7 @@ class DrafterTrainer:
         self.optimizer, self.scheduler = make_optimizer_and_scheduler(drafter.parameters(), cfg.optim,
                                                                        cfg.total_steps)
         self.anchor_generator = torch.Generator().manual_seed(anchor_seed(cfg.run.seed, rank))
+        self.attention = choose_attention(cfg.model.attention_backend, drafter.fc.weight.device)
         self.step = 0
 
     def sample_anchors(self, loss_mask: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
@@ -218,15 +220,40 @@ class DrafterTrainer:
 
         The documents go through the drafter in groups (`document_groups`), each backward adding
         its share of sum(w * ce) / sum(w) over the whole batch: the gradient is the full batch's,
-        while the `[Q, T+Q]` mask and `[Q, vocab]` logits exist for one group at a time."""
+        while the `[Q, T+Q]` mask and `[Q, vocab]` logits exist for one group at a time. The host
+        reads the device only where `HOST_READS` says: laying out the batch, and the step's figures."""
         device = self.drafter.fc.weight.device
         features, position_ids = features.to(device), position_ids.to(device)
         input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+        parts, n_blocks = self.layout(cu_seqlens, position_ids, input_ids, loss_mask)
+        # One token-weighted mean over every drafter's scored positions (the batch's, with one drafter).
+        total_weight = global_normalizer(sum(batch.weights.sum() for _, _, batch, _ in parts),
+                                         self.process_group)
+        self.drafter.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, hits, counts = self.forward_backward(features, position_ids, parts, total_weight)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return self.figures(loss_sum, grad_norm, hits, counts, lr, int(features.shape[0]), n_blocks)
+
+    def layout(self, cu_seqlens: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor,
+               loss_mask: torch.Tensor) -> tuple[list[tuple[int, int, BlockBatch, BlockMask]], int]:
+        """The step's groups, laid out on the host from the batch's metadata: `(start, end, blocks,
+        attention pattern)` per group, and the number of blocks. The documents' bounds, the anchors
+        (drawn from the loss mask, read once) and each group's scored rows are read here, so that the
+        forward and backward that follow never wait for the device."""
         bounds = [int(b) for b in cu_seqlens.tolist()]
-        anchors = self.sample_anchors(loss_mask, bounds)
-        dcfg = self.drafter.cfg
-        groups = document_groups(bounds, [a.numel() for a in anchors], self.cfg.data.max_length,
-                                 self.cfg.data.max_anchors)
+        anchors = self.sample_anchors(loss_mask.cpu(), bounds)
+        dcfg, data = self.drafter.cfg, self.cfg.data
+        groups = document_groups(bounds, [a.numel() for a in anchors], data.max_length, data.max_anchors)
+        # Compiled, the attention sees one shape whatever the group: a full one's, padded.
+        context_rows, query_rows = ((data.max_length, data.max_anchors * dcfg.block_size)
+                                    if self.attention.compiled else (0, 0))
         # A batch without any block still runs one (empty) pass: under DDP every rank must join
         # the gradient all-reduce of every step.
         parts = []
@@ -236,41 +263,47 @@ class DrafterTrainer:
             batch = build_block_batch(input_ids[start:end], loss_mask[start:end], part_bounds,
                                       position_ids[start:end], anchors[first:last], dcfg.block_size,
                                       dcfg.mask_token_id, self.gamma)
-            parts.append((start, end, batch))
-        # One token-weighted mean over every drafter's scored positions (the batch's, with one drafter).
-        total_weight = global_normalizer(sum(batch.weights.sum() for _, _, batch in parts),
-                                         self.process_group)
+            batch.scored_rows  # noqa: B018 (found here, once: the loss reads them in the hot path)
+            mask = batch.block_mask(self.attention.backend, context_rows, query_rows, self.attention.compiled)
+            parts.append((start, end, batch, mask))
+        return parts, sum(a.numel() for a in anchors)
 
-        self.drafter.train()
+    def forward_backward(self, features: torch.Tensor, position_ids: torch.Tensor, parts: list,
+                         total_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every group's forward, loss and backward: the step's hot path, where nothing reads the
+        device from the host. The loss summed over the groups and per block position the scored
+        predictions equal to the label and the scored ones, all on the device."""
+        device, block_size = features.device, self.drafter.cfg.block_size
         forward = self.drafter if self.ddp is None else self.ddp
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        hits_by_position, counts_by_position = [0] * dcfg.block_size, [0] * dcfg.block_size
-        for i, (start, end, batch) in enumerate(parts):
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        hits = counts = torch.zeros(block_size, dtype=torch.int64, device=device)
+        for i, (start, end, batch, mask) in enumerate(parts):
             # Under DDP only the last pass synchronises, so that every rank all-reduces once a step
             # however many groups its batch has.
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                 with compute_precision(self.cfg, device):
-                    hidden = forward(features[start:end], position_ids[start:end],
-                                          batch.block_input_ids, batch.block_positions, batch.sparse_mask)
-                    loss, hits, counts = scored_loss(self.drafter, hidden, batch, total_weight,
-                                                     self.cfg.model.loss_chunk_size, self.dpace_alpha)
+                    hidden = forward(features[start:end], position_ids[start:end], batch.block_input_ids,
+                                     batch.block_positions, mask)
+                    loss, group_hits, group_counts = scored_loss(
+                        self.drafter, hidden, batch, total_weight, self.cfg.model.loss_chunk_size,
+                        self.dpace_alpha)
                 loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
-            loss_sum += float(loss.detach())
-            hits_by_position = [a + b for a, b in zip(hits_by_position, hits, strict=True)]
-            counts_by_position = [a + b for a, b in zip(counts_by_position, counts, strict=True)]
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
-        )
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
+            loss_sum = loss_sum + loss.detach().float()
+            hits, counts = hits + group_hits, counts + group_counts
+        return loss_sum, hits, counts
+
+    def figures(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, hits: torch.Tensor,
+                counts: torch.Tensor, lr: float, n_tokens: int, n_blocks: int) -> StepResult:
+        """The step's figures for the log, read from the device in one transfer."""
+        values = torch.cat([torch.stack([loss_sum.double(), grad_norm.double()]), hits.double(),
+                            counts.double()]).tolist()
+        b = hits.numel()
+        hits_by_position = [int(v) for v in values[2:2 + b]]
+        counts_by_position = [int(v) for v in values[2 + b:]]
         scored = sum(counts_by_position)
-        return StepResult(self.step, loss_sum, sum(hits_by_position) / scored if scored else math.nan, lr,
-                          int(features.shape[0]), sum(a.numel() for a in anchors), float(grad_norm),
-                          hits_by_position, counts_by_position)
+        return StepResult(self.step, values[0], sum(hits_by_position) / scored if scored else math.nan, lr,
+                          n_tokens, n_blocks, values[1], hits_by_position, counts_by_position)
 
     def state_dict(self) -> dict:
         """What every drafter rank shares (DDP keeps it equal); the anchor RNG, which is each

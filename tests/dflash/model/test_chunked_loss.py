@@ -118,8 +118,8 @@ def test_chunked_scored_loss_gives_the_unchunked_loss_and_every_trainable_gradie
         # bf16: the head's gradient is rounded per row alike, the layers' matmuls then differ only
         # by the rows' summation order.
         torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE[dtype], msg=name)
-    assert counts == ref_counts and sum(counts) == int((batch.weights > 0).sum())
-    assert hits == ref_hits
+    assert torch.equal(counts, ref_counts) and int(counts.sum()) == int((batch.weights > 0).sum())
+    assert torch.equal(hits, ref_hits)
 
 
 def test_train_steps_chunked_and_unchunked_agree(tiny_target, tiny_config, tmp_path):
