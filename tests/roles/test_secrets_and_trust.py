@@ -1,7 +1,8 @@
 """A shared machine's other users get neither the run's secret nor a say in what runs as root: the
 secrets file is never readable by another user of the container, not even while a first deploy writes it,
-and goes when the secrets are emptied; a release archive swapped in the controller's cache under the same
-release id is not shipped (pvesim, one container; docs/SECURITY.md)."""
+and goes when the secrets are emptied; a restart's async job files are in a directory only root may
+enter; a release archive swapped in the controller's cache under the same release id is not shipped
+(pvesim, one container; docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 VMID = 200
 SECRETS = "/var/lib/dflash/secrets"
+ASYNC_DIR = "/root/.ansible_async"  # the dflash_run role's __dflash_run_async_dir
 TOKEN = "hf_shared_machine_token_9a0364b9e99bb480"
 # Polls as uid 65534 (nobody) for the secrets file and its directory until the stop file exists; writes
 # how often it tried and what it could read.
@@ -113,6 +115,17 @@ def test_emptied_secrets_remove_the_file(fleet):
     assert not boot.get("environment_file"), boot
     pid = fleet.run_info(VMID)["pid"]
     assert TOKEN not in fleet.ct(VMID, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout
+
+
+def test_a_restarts_async_job_directory_is_roots_alone(fleet):
+    assert fleet.play("deploy.yml").rc == 0
+    # As Ansible's async wrapper leaves a directory it makes (umask 022): every user may list and read it.
+    assert fleet.ct(VMID, f"mkdir -p {ASYNC_DIR} && chmod 0755 {ASYNC_DIR}").returncode == 0
+    res = fleet.play("restart_training.yml")
+    assert res.rc == 0, res
+    assert fleet.ct(VMID, f"stat -c '%a %U' {ASYNC_DIR}").stdout.split() == ["700", "root"]
+    readable = fleet.ct(VMID, f"find {ASYNC_DIR} -mindepth 1 -perm /044")
+    assert readable.returncode == 0 and readable.stdout == "", readable
 
 
 def evil_archive(real):
