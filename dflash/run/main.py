@@ -26,6 +26,7 @@ from dflash.run.cache_feed import cached_run
 from dflash.run.status import RunStatus, StatusLog
 from dflash.training.checkpoint import check_fresh_start, move_run_aside
 from dflash.training.drafter_run import DrafterRun
+from dflash.training.resume_check import check_resume, describe
 
 WORKER = "trainer"  # the single process's name in status.json's workers
 
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
         else:
             check_fresh_start(cfg.run.output_dir, cfg.run.resume)
+            resuming = check_resume(cfg)  # before anything is loaded or written
+            if resuming is not None and resuming[1]:
+                print(f"dflash.train: warning: resuming {resuming[0]} with keys changed since it was saved: "
+                      f"{describe(resuming[1])}", file=sys.stderr)
     except (ConfigError, UnsafePath) as exc:
         print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

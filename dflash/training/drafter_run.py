@@ -46,6 +46,7 @@ from dflash.training.checkpoint import (
     set_rng_state,
 )
 from dflash.training.heldout import HeldOutEvaluator
+from dflash.training.resume_check import config_changes, describe
 from dflash.training.telemetry import IntervalMeter, RunTelemetry
 from dflash.training.trainer import (
     DrafterTrainer,
@@ -149,7 +150,12 @@ class DrafterRun:
             self.trainer.anchor_generator.set_state(own["anchor"])
             set_rng_state(own)
         self.last_saved_step = self.trainer.step
-        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint), saved_ranks=len(ranks))
+        changes = config_changes(self.cfg, checkpoint)  # [the checkpoint's value, this run's] by key
+        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint), saved_ranks=len(ranks),
+                      changed={key: list(values) for key, values in changes.items()})
+        if changes:
+            self.log.emit("warning", message=f"resumed with keys changed since {checkpoint.name} was saved: "
+                          f"{describe(changes)}")
 
     def save(self) -> None:
         """Every drafter rank takes part (its random state goes into the checkpoint); those that write

@@ -172,8 +172,9 @@ def test_a_template_without_the_toggle_records_null_and_refuses_thinking(targets
 
 
 def train_config(tmp_path: Path, target: Path, data: dict, name: str = "config") -> Path:
-    """A config for `target` (its output dir tmp_path/run) with `data` as its data section."""
-    raw = {"model": {"target_path": str(target), "block_size": 4}, "data": {"max_length": 48, **data},
+    """A config for `target` (its output dir tmp_path/run) with `data` as its data section (block size 2:
+    the rows' 3 answer tokens form a block)."""
+    raw = {"model": {"target_path": str(target), "block_size": 2}, "data": {"max_length": 48, **data},
            "optim": {"total_steps": 2}, "run": {"output_dir": str(tmp_path / "run")}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -1,0 +1,56 @@
+"""A resume says what changed since its checkpoint: a schedule key is warned about and logged, a key of the
+drafter's shape or a target of another shape is refused before anything loads, and a refused start leaves
+the old run's status.json as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from dflash.run.main import main as train_main
+
+
+def write_config(path: Path, raw: dict) -> str:
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def first_run(tiny_config, tmp_path, capsys) -> tuple[Path, str]:
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "first.yaml", tiny_config(run, optim={"total_steps": 2}))
+    assert train_main(["--config", config]) == 0
+    capsys.readouterr()
+    return run, (run / "status.json").read_text()
+
+
+def test_a_changed_schedule_key_is_warned_about_and_logged(tiny_config, tmp_path, capsys):
+    run, _ = first_run(tiny_config, tmp_path, capsys)
+    config = write_config(tmp_path / "again.yaml", tiny_config(run, optim={"total_steps": 3, "lr": 1e-3}))
+    assert train_main(["--config", config]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" in err and "optim.lr 0.003 -> 0.001" in err and "optim.total_steps 2 -> 3" in err
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    resume = next(r for r in records if r["event"] == "resume")
+    assert resume["changed"] == {"optim.lr": [0.003, 0.001], "optim.total_steps": [2, 3]}
+    assert any(r["event"] == "warning" and "optim.lr" in r["message"] for r in records)
+
+
+def test_a_shape_change_is_refused_before_anything_loads_and_the_status_stays(tiny_config, tmp_path, capsys):
+    run, status = first_run(tiny_config, tmp_path, capsys)
+    config = write_config(tmp_path / "deeper.yaml", tiny_config(run, model={"num_draft_layers": 2}))
+    assert train_main(["--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_draft_layers 1 -> 2" in err and "Traceback" not in err
+    assert (run / "status.json").read_text() == status
+
+
+def test_a_target_of_another_shape_is_refused_in_one_line(tiny_config, make_target, tmp_path, capsys):
+    run, status = first_run(tiny_config, tmp_path, capsys)
+    wider = make_target("wider", hidden_size=48)
+    config = write_config(tmp_path / "wider.yaml", tiny_config(run, model={"target_path": str(wider)}))
+    assert train_main(["--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "target hidden_size 32 -> 48" in err and "size mismatch" not in err and "Traceback" not in err
+    assert (run / "status.json").read_text() == status
