@@ -23,6 +23,10 @@ the mode, the settings, the rows; atomically too). A line cut short by a kill is
 With `--device cuda` each visible GPU runs one replica of the target on every n-th prompt; on CPU
 (`--replicas`, default 1) the same.
 
+Rows of two settings never mix either: a call that would resume from rows made with another target,
+prompt file, --max-new-tokens, --temperature, --top-p, --seed, --max-length or --dtype is refused, naming
+each difference, so the manifest always names the settings its rows were made with.
+
 Rows of two thinking modes never mix. A call records its mode in `<out>.parts.json` before it
 generates anything and removes that record last, after the manifest, once no part is left; so the
 mode of every row already there is the record's while it exists, else `<out>`'s manifest's. A call
@@ -56,6 +60,10 @@ class PromptError(ValueError):
 class ThinkingModeError(ValueError):
     """The thinking mode asked for cannot be given to the template, or is not the one of the rows
     the call would resume from."""
+
+
+class ProvenanceError(ValueError):
+    """The rows the call would resume from were made with other settings than the call's."""
 
 
 @dataclass(frozen=True)
@@ -185,9 +193,29 @@ def thinking_mode(target_path: str, enable_thinking: bool) -> tuple[bool | None,
     return (enable_thinking if takes else None), takes
 
 
-def check_resume(out: Path, mode: bool | None) -> None:
-    """Refuse to resume from rows (in `out` or its parts) of another thinking mode than `mode`, or of
-    one nothing records."""
+# The settings a row's answer depends on, beside the thinking mode: a resume under others is refused.
+ANSWER_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "max_length", "dtype")
+
+
+def provenance_changes(rows: dict, call: dict) -> dict[str, tuple]:
+    """{setting: (the rows', this call's)} where the record `rows` was written with other settings than
+    `call`'s: the target and the prompts (as resolved paths) and the ANSWER_SETTINGS. A setting the
+    rows' record lacks (written before it was recorded) is not compared."""
+    changes = {}
+    for key in ("target", "prompts"):
+        if key in rows and Path(rows[key]).resolve() != Path(call[key]).resolve():
+            changes[key] = (rows[key], call[key])
+    theirs, ours = rows.get("generation") or {}, call["generation"]
+    for key in ANSWER_SETTINGS:
+        if key in theirs and theirs[key] != ours[key]:
+            changes[key] = (theirs[key], ours[key])
+    return changes
+
+
+def check_resume(out: Path, call: dict) -> None:
+    """Refuse to resume from rows (in `out` or its parts) of another thinking mode than this call's record
+    `call` gives, or of one nothing records; or made with other settings (`provenance_changes`)."""
+    mode = call["enable_thinking"]
     holders = [path for path in [out, *_parts(out)] if next(_complete_rows(path), None)]
     if not holders:
         return
@@ -203,6 +231,13 @@ def check_resume(out: Path, mode: bool | None) -> None:
         raise ThinkingModeError(f"{names} hold rows regenerated with enable_thinking {mode_name(theirs)}, "
                                 f"this call's is {mode_name(mode)}; rows of two modes must not mix: resume "
                                 f"with {how}, or move them away to start over")
+    changes = provenance_changes(record, call)
+    if changes:
+        listed = "; ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+        raise ProvenanceError(f"{names} hold rows regenerated with other settings than this call's: {listed} "
+                              "(the rows' -> this call's); their manifest would name settings they were not "
+                              "made with: resume with the rows' settings, or move them away (or write to "
+                              "another --out) to start over")
 
 
 def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
@@ -289,10 +324,10 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
     # before any model is loaded.
     read_chats(prompts)
     mode, takes = thinking_mode(target, enable_thinking)
-    check_resume(Path(out), mode)
     record = {"format": FORMAT, "target": str(target), "prompts": str(prompts), "enable_thinking": mode,
               "template_takes_thinking": takes,
               "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype}}
+    check_resume(Path(out), record)
     write_json(parts_record_path(out), record)
     args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode)
     if replicas == 1:

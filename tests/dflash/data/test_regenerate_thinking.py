@@ -223,3 +223,23 @@ def test_data_without_a_manifest_or_with_a_null_mode_is_not_checked(targets, pro
     assert config_from_dict({"model": model, "data": {"path": str(own)}}).data.enable_thinking is False
     with pytest.raises(ConfigError, match="data.enable_thinking: expected bool, got 'no'"):
         config_from_dict({"model": model, "data": {"path": str(own), "enable_thinking": "no"}})
+
+
+def test_a_resume_with_other_settings_is_refused_naming_each(targets, prompts, tmp_path, capsys):
+    out = tmp_path / "train.jsonl"
+    regenerate(targets["toggle"], prompts, str(out), SETTINGS)
+    written, recorded = out.read_text(), manifest_path(out).read_text()
+    with pytest.raises(regen.ProvenanceError) as refused:
+        regenerate(targets["toggle"], prompts, str(out), GenerationSettings(5, temperature=0.7))
+    assert "max_new_tokens 3 -> 5" in str(refused.value) and "temperature 0.0 -> 0.7" in str(refused.value)
+    other_prompts = tmp_path / "other-prompts.jsonl"
+    other_prompts.write_text(Path(prompts).read_text())
+    code = data_main(["regenerate", "--target", targets["toggle"], "--prompts", str(other_prompts), "--out",
+                      str(out), "--max-new-tokens", "3", "--batch-size", "2", "--dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"prompts {prompts!r} -> {str(other_prompts)!r}" in err and "dtype" in err
+    assert out.read_text() == written and manifest_path(out).read_text() == recorded, "nothing rewritten"
+    # The batch size changes no answer: a resume with another one goes on.
+    summary = regenerate(targets["toggle"], prompts, str(out), GenerationSettings(3, batch_size=1))
+    assert summary["generated"] == 0
+    assert json.loads(manifest_path(out).read_text())["generation"]["batch_size"] == 1
