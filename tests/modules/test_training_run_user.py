@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +21,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunE
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     device_refusal,
     may_use,
+    own_directories,
+    reach_refusal,
     read_environment_file,
     run_identity,
 )
@@ -118,3 +122,48 @@ def test_the_boot_units_command_is_quoted_as_systemd_reads_it():
     # systemd expands specifiers and variables inside quotes too: both doubled.
     assert run_boot.exec_start(["/srv/100%/$HOME"]) == '"/srv/100%%/$$HOME"'
 
+
+
+@needs_root
+def test_the_runs_directories_become_its_users_without_following_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("root's")
+    out = tmp_path / "out"
+    (out / "step-10").mkdir(parents=True)
+    (out / "step-10" / "model.pt").write_text("weights")
+    (out / "link").symlink_to(outside)
+    os.link(outside, out / "second-name")  # a file with two names: one may be outside
+    nobody = run_identity("nobody")
+    assert own_directories([str(out), str(tmp_path / "new")], nobody) == [str(out), str(tmp_path / "new")]
+    for path in (out, out / "step-10", out / "step-10" / "model.pt", out / "link", tmp_path / "new"):
+        assert path.lstat().st_uid == NOBODY, path
+    assert outside.stat().st_uid == 0 and (out / "second-name").stat().st_uid == 0
+    assert own_directories([str(out)], nobody) == []  # nothing left to change
+
+
+@needs_root
+def test_what_the_user_cannot_reach_refuses_the_start():
+    """pvesim's venv python links to the machine's python under /root (0700): the start says so before it
+    stops anything."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))  # pytest's own directory is root's alone
+    try:
+        reach_checks(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def reach_checks(tmp_path):
+    tmp_path.chmod(0o755)
+    nobody = run_identity("nobody")
+    assert reach_refusal(nobody, "/bin/sh", SYSTEM_PYTHON, "/") is None
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    (private / "python").symlink_to(SYSTEM_PYTHON)
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "python").symlink_to(private / "python")
+    refused = reach_refusal(nobody, "/bin/sh", str(venv / "python"), "/")
+    assert refused and f"enter {private} " in refused, refused
+    private.chmod(0o711)
+    assert reach_refusal(nobody, "/bin/sh", str(venv / "python"), "/") is None

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 from datetime import datetime, timezone
-from stat import S_IMODE, S_ISCHR
+from stat import S_IMODE, S_ISCHR, S_ISDIR
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     NOTHING_DONE,
@@ -77,14 +77,45 @@ def drop_privileges(identity):
     os.setuid(identity["uid"])
 
 
+def own_directories(paths, identity):
+    """Make each directory of `paths` (created when missing) and what root owns in it the run's user's:
+    the output directory of a run that ran as root holds root's checkpoints, which the user must replace.
+    Runs after the stop and before the start. Never through a symbolic link (each name changed itself), and
+    a file with more than one name is left as it is (another name of it may be outside). Returns the paths
+    it changed."""
+    changed = []
+    for path in paths:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        try:
+            top = open_directory(path, owner=identity["uid"])
+        except UnsafePath as exc:
+            raise RunError(refusal("user_directories", path, exc.reason, NOTHING_DONE)) from None
+        try:
+            count = 0
+            if os.fstat(top).st_uid == 0:
+                os.fchown(top, identity["uid"], identity["gid"])
+                count += 1
+            for _, dirs, files, dir_fd in os.fwalk(".", dir_fd=top):
+                for name in dirs + files:
+                    info = os.lstat(name, dir_fd=dir_fd)
+                    if info.st_uid == 0 and (S_ISDIR(info.st_mode) or info.st_nlink == 1):
+                        os.chown(name, identity["uid"], identity["gid"], dir_fd=dir_fd, follow_symlinks=False)
+                        count += 1
+            if count:
+                changed.append(path)
+        finally:
+            os.close(top)
+    return changed
+
+
 # The NVIDIA device files a container gets through its devN: entries (the GPUs, nvidiactl, nvidia-uvm,
 # nvidia-uvm-tools, the MIG capabilities).
 GPU_DEVICES = ("/dev/nvidia*", "/dev/nvidia-caps/*")
 
 
-def may_use(info, identity):
-    """Whether the device of stat `info` is readable and writable by `identity` (its owner's, group's or
-    others' bits, as the kernel picks them)."""
+def may_use(info, identity, wanted=0o6):
+    """Whether `identity` has the `wanted` permission bits (read 4, write 2, execute 1) on the file of stat
+    `info`: its owner's, group's or others' bits, as the kernel picks them."""
     mode = S_IMODE(info.st_mode)
     if info.st_uid == identity["uid"]:
         bits = mode >> 6
@@ -92,7 +123,33 @@ def may_use(info, identity):
         bits = mode >> 3
     else:
         bits = mode
-    return bits & 0o6 == 0o6
+    return bits & wanted == wanted
+
+
+def reach_refusal(identity, program, interpreter, chdir):
+    """Why the run's user could not run what the start checked (run.sh it must read and execute, the
+    interpreter it execs, the working directory), as the refusal message, or None: found before anything
+    is stopped, not by a successor that fails after the stop."""
+    wanted = [(program, 0o5), (chdir or "/", 0o1)] + ([(interpreter, 0o1)] if interpreter else [])
+    for path, bits in wanted:
+        real = os.path.realpath(path)
+        hops = [os.path.abspath(path)]
+        while os.path.islink(hops[-1]) and len(hops) < 40:  # each link's directory is passed through too
+            hops.append(os.path.normpath(os.path.join(os.path.dirname(hops[-1]), os.readlink(hops[-1]))))
+        parents = set()
+        for name in hops + [real]:
+            while name != "/":
+                name = os.path.dirname(name)
+                parents.add(name)
+        for what, needed in [(real, bits)] + [(parent, 0o1) for parent in sorted(parents)]:
+            mode = os.stat(what).st_mode
+            if not may_use(os.stat(what), identity, needed):
+                doing = "enter" if what != real else "read and run" if bits == 0o5 else "run"
+                return (f"cannot start run as user {identity['name']}: it may not {doing} {what} (mode "
+                        f"{S_IMODE(mode):04o}), on the way to {path}: {NOTHING_DONE}. Make it readable and "
+                        f"searchable by other users (chmod o+rx), or build the venv on a python the user "
+                        f"can run.")
+    return None
 
 
 def device_refusal(identity, patterns=GPU_DEVICES):
@@ -128,7 +185,8 @@ def preflight(params, env):
     program = resolve_program(command[0], chdir, env)
     if program is None:
         raise RunError(f"cannot start run: {command[0]} is not an executable file (PATH={env.get('PATH')})")
-    refused = program_refusal(program, chdir, params.get("interpreter"))
+    refused = program_refusal(program, chdir, params.get("interpreter")) or \
+        (identity and reach_refusal(identity, program, params.get("interpreter"), chdir))
     if refused:
         raise RunError(refused)
     for path in (params["pidfile"], params["log_path"]):

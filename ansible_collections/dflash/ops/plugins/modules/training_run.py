@@ -76,6 +76,15 @@ options:
       - A live run started as another user counts as another run for V(started).
       - Unset, the run runs as the module's user.
     type: str
+  user_directories:
+    description:
+      - With O(user), directories that are the run's own (its output directory, its checkpoints), created
+        when missing, and each of them and whatever root owns in it made that user's, after the stop and
+        before the start, under the run's lock (a run that ran as root leaves root's checkpoints). Symbolic
+        links are changed themselves, never followed; a file with more than one link is left as it is.
+    type: list
+    elements: path
+    default: []
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -356,6 +365,11 @@ boot:
     start file's path (C(start_file)).
   returned: with O(boot), when the run is left running
   type: dict
+user_directories:
+  description: The O(user_directories) whose owner this start changed.
+  returned: after a start with O(user) and O(user_directories)
+  type: list
+  elements: str
 gpu_idle:
   description: What the wait for O(idle_gpus) saw at its last read (met, reasons, gpus, processes, table,
     polls, seconds), as M(dflash.ops.gpu_verify) returns it.
@@ -400,9 +414,11 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     log_match,
     log_refusal,
     log_tail,
+    own_directories,
     preflight,
     read_environment_file,
     remove_private_file,
+    run_identity,
     start_run,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_stop import RunStopper
@@ -414,6 +430,7 @@ ARGUMENT_SPEC = dict(
     command=dict(type="list", elements="str"),
     chdir=dict(type="path"),
     user=dict(type="str"),
+    user_directories=dict(type="list", elements="path", default=[]),
     interpreter=dict(type="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
@@ -546,6 +563,9 @@ def apply_state(module, env, phases):
         except RunError as exc:
             exc.result.update(result, **stopped_result(record, verdict))
             raise
+    identity = run_identity(params["user"])
+    if identity and params["user_directories"]:
+        result["user_directories"] = own_directories(params["user_directories"], identity)
     if params["stale_environment_file"] and remove_private_file(params["stale_environment_file"]):
         result["removed_environment_file"] = params["stale_environment_file"]
     phases.set(run_job.start_phase(params["wait_for"]))
@@ -578,6 +598,8 @@ def main():
         module.fail_json(msg=f"log_offset must be a byte offset >= 0, got {params['log_offset']}")
     if params["expect_pid"] is not None and params["expect_pid"] < 0:
         module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
+    if params["user_directories"] and not params["user"]:
+        module.fail_json(msg="user_directories are made the run's user's: set user too")
     if params["async_results_file"] and params["state"] != "status":
         module.fail_json(msg=f"async_results_file is read by state=status only (a task that polls the async "
                              f"job of another call), not state={params['state']}: nothing was done")
