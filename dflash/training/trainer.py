@@ -36,6 +36,11 @@ from dflash.model.loss import (
     sample_anchors,
 )
 
+# Where a step reads the device from the host (`.item()`, `.tolist()`, `.cpu()`, a tensor's bool, int or
+# float): laying out the batch before the forward, and the figures the log shows, once at the end.
+# Nothing in between: tests/dflash/training/test_host_syncs.py counts them.
+HOST_READS = ("DrafterTrainer.layout", "DrafterTrainer.figures")
+
 
 def resolve_layer_ids(cfg: TrainConfig, n_target_layers: int) -> list[int]:
     """The configured target layer ids, else the paper's spacing for the number of draft layers."""
