@@ -16,7 +16,7 @@ import tarfile
 
 import pytest
 
-from pvesim.fleet import Fleet, change_code
+from pvesim.fleet import REPO, Fleet, change_code
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -159,3 +159,56 @@ def test_an_archive_swapped_in_the_controllers_cache_under_the_same_id_is_not_sh
     assert "EVIL" not in fleet.read(VMID, f"{first}/run.sh")
     assert "release cache was not trusted" in res.stdout + res.stderr
     assert "EVIL" not in fleet.read(VMID, "/var/log/dflash/main.log")
+
+
+def test_the_trainer_runs_as_dflash_run_user(fleet):
+    """Last in this file: it leaves the run as that user. A deploy with dflash_run_user restarts the run
+    as that user: its processes have its uid, its secrets file is its own and no one else's, its GPUs are
+    busy as gpu_verify sees them, it cannot change what it runs, and a stop still checkpoints and ends it."""
+    user_vars = fleet.base / "run-user.json"
+    user_vars.write_text(json.dumps({"dflash_run_user": "dflash",
+                                     "dflash_run_secret_environment": {"HF_TOKEN": TOKEN}}))
+    user_vars.chmod(0o600)
+    assert fleet.play("deploy.yml").rc == 0  # a run as root first: its output directory is root's
+    before = fleet.run_info(VMID)
+    # pvesim's venv python links to the machine's, under the container's /root (0700): the user cannot run
+    # it, which the start finds before it stops anything. A real container's venv is on /usr/bin/python3.
+    refused = fleet.play("deploy.yml", "-e", f"@{user_vars}")
+    assert refused.rc != 0 and "may not enter /root " in refused.stdout, refused.stdout[-4000:]
+    assert fleet.alive(VMID, before["pid"]) and fleet.run_info(VMID)["pid"] == before["pid"]
+    assert fleet.ct(VMID, "chmod 0711 /root").returncode == 0
+    # The model and the data must be readable by the run's user: the sim's tiny ones are written 0600.
+    assert fleet.ct(VMID, f"chmod -R a+rX {REPO / '.cache'}").returncode == 0
+    res = fleet.play("deploy.yml", "-e", f"@{user_vars}")
+    assert res.rc == 0, res.stdout[-4000:]
+    assert res.results("Wait until the run's GPUs are busy.")[f"ct{VMID}"]["met"]
+    uid = int(fleet.ct(VMID, "id -u dflash").stdout)
+    run = fleet.run_info(VMID)
+    assert (run["user"], run["uid"]) == ("dflash", uid)
+    group = fleet.ct(VMID, f"ps -o pid= -g {run['pgid']}").stdout.split()
+    assert group, run
+    for pid in group:
+        status = fleet.read(VMID, f"/proc/{pid}/status").splitlines()
+        uids = [line for line in status if line.startswith("Uid:")]
+        assert uids == [f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}"], (pid, uids)
+    assert "video" in fleet.ct(VMID, "id -nG dflash").stdout.split()
+    assert fleet.ct(VMID, f"stat -c '%a %U' {SECRETS} {SECRETS}/main.env").stdout.split() == \
+        ["711", "root", "600", "dflash"]
+    nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups"
+    assert fleet.ct(VMID, f"{nobody} cat {SECRETS}/main.env").returncode != 0
+    assert fleet.ct(VMID, f"{nobody} ls {SECRETS}").returncode != 0
+    as_user = f"setpriv --reuid {uid} --regid {uid} --init-groups"
+    assert fleet.ct(VMID, f"{as_user} cat {SECRETS}/main.env").stdout == f"HF_TOKEN={TOKEN}\n"
+    release = fleet.live_release(VMID)
+    assert fleet.ct(VMID, f"{as_user} sh -c 'echo evil >> {release}/run.sh'").returncode != 0
+    assert fleet.ct(VMID, f"{as_user} touch {release}/evil").returncode != 0
+    assert fleet.ct(VMID, "find /var/lib/dflash/runs/main ! -user dflash").stdout == ""
+    fleet.wait_for_checkpoint(VMID)
+
+    stopped = fleet.play("stop_training.yml", "-e", f"@{user_vars}")
+    assert stopped.rc == 0, stopped
+    stop = stopped.results("Stop the run (the trainer checkpoints on SIGTERM).")[f"ct{VMID}"]
+    assert stop["how"] == "terminated", stop
+    assert not any(fleet.alive(VMID, pid) for pid in group)
+    status = fleet.status(VMID)
+    assert status["state"] == "stopped" and status["last_checkpoint"], status
