@@ -72,12 +72,13 @@ def padded_rows(n: int, at_least: int = 0) -> int:
     return -(-max(n, at_least, 1) // TILE) * TILE
 
 
-def _attention(compiled: bool):
+def _compiled(fn, compiled: bool):
+    """`fn` itself, or under torch.compile (one wrapper per function: fixed shapes, no dynamic ones)."""
     if not compiled:
-        return flex_attention
-    if "flex_attention" not in _COMPILED:
-        _COMPILED["flex_attention"] = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED["flex_attention"]
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn.__name__]
 
 
 def _pad_rows(x: torch.Tensor, rows: int, value: int = 0) -> torch.Tensor:
@@ -154,8 +155,8 @@ class FlexBlockMask:
         """The `BlockMask` (built on first use, on the tensors' device)."""
         if self._block_mask is None:
             rows = self.context_rows + self.query_rows
-            self._block_mask = create_block_mask(self.mask_mod(), None, None, self.query_rows, rows,
-                                                 device=self.key_doc.device, _compile=self.compiled)
+            self._block_mask = _compiled(create_block_mask, self.compiled)(
+                self.mask_mod(), None, None, self.query_rows, rows, device=self.key_doc.device)
         return self._block_mask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
@@ -170,6 +171,6 @@ class FlexBlockMask:
             return torch.cat([_pad_rows(x[:, :, :n_context], self.context_rows),
                               _pad_rows(x[:, :, n_context:], rows)], dim=2)
 
-        out = _attention(self.compiled)(_pad_rows(q, rows), keys(k), keys(v), block_mask=self.block_mask(),
-                                        enable_gqa=enable_gqa)
+        out = _compiled(flex_attention, self.compiled)(_pad_rows(q, rows), keys(k), keys(v),
+                                                        block_mask=self.block_mask(), enable_gqa=enable_gqa)
         return out[:, :, :self.n_queries]
