@@ -1,17 +1,23 @@
-"""The drafter's attention at the paper's shape: dense `[Q, T+Q]` mask versus block-sparse tiles.
+"""The drafter's attention at the paper's shape: dense `[Q, T+Q]` mask, block-sparse tiles, FlexAttention.
 
-One drafter training step (forward, loss on the scored block positions, backward) on one packed
-sequence of 3072 tokens with 512 anchors and blocks of 16 (8192 queries over 11264 keys), with a
-small hidden size so that it runs on a CPU. Both paths use the same blocks, weights and inputs:
+One packed sequence of 3072 tokens with 512 anchors and blocks of 16 (8192 queries over 11264 keys:
+the recipe's queries per document group), with a small hidden size so that it runs on a CPU. Every
+path uses the same blocks and inputs:
 
-- dense (the previous path): `BlockBatch.attention_mask`, a `[Q, T+Q]` boolean mask, through SDPA;
-- sparse (`dflash.model.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
-  range and its own blocks, checkpointed.
+- dense: `BlockBatch.attention_mask`, a `[Q, T+Q]` boolean mask, through SDPA;
+- tiles (`dflash.model.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
+  range and its own blocks, checkpointed (the tile lists are built on the host);
+- flex (`dflash.model.flex.FlexBlockMask`): one `BlockMask` built on the device, `flex_attention`
+  eager (its unfused reference: the whole score matrix) and compiled (`torch.compile`: fused
+  kernels that skip empty tiles). torch has no FlexAttention backward on CPU: there flex's rows are
+  forward only.
 
-Two scopes: the attention alone (q, k, v of that shape; forward, a loss, backward) and a whole
-drafter step. Each includes building its mask. Peak memory is what torch's allocator holds beyond the
-inputs and weights (`benchmarks.memory`); time is the best of interleaved repeats. The two steps'
-losses and gradients are compared (float tolerance). Prints a table, then one JSON line.
+Two scopes: the attention alone (q, k, v of that shape; forward, and forward + a loss + backward)
+and a whole drafter step (forward, loss, backward; dense and tiles, flex too on CUDA). Each includes
+building its mask. Peak memory is what torch's allocator holds beyond the inputs and weights
+(`benchmarks.memory`); time is the best of interleaved repeats after one warm-up (compiled: the
+warm-up compiles). Every path's output (and gradients) are checked against the dense mask's.
+Prints a table with each path's ratio to the tiles, then one JSON line.
 
     python -m benchmarks.attention                      # the paper's shape, hidden 128, 1 layer
     python -m benchmarks.attention --hidden 4096 --heads 32 --kv-heads 8 --device cuda
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,14 +39,15 @@ from hidden_states import best_seconds  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.model.flex import padded_rows  # noqa: E402
 from dflash.model.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PATHS = ("dense", "tiles", "flex", "flex compiled")
 
 
 def make_steps(args, device: torch.device) -> tuple[dict, int, int]:
-    """{scope: step(sparse) -> (loss, grads)} for the two scopes (the attention alone, a whole
-    drafter step), the number of queries and of keys."""
+    """{(scope, with backward): {path: step() -> (loss, grads)}}, the number of queries and of keys."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim = args.heads, args.kv_heads, args.hidden // args.heads
     cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=heads,
@@ -63,56 +71,70 @@ def make_steps(args, device: torch.device) -> tuple[dict, int, int]:
     n_keys = tokens + n_queries
     q, k, v = (torch.randn(1, h, n, head_dim, generator=g).to(device, dtype).requires_grad_()
                for h, n in ((heads, n_queries), (kv_heads, n_keys), (kv_heads, n_keys)))
+    # Compiled, the padded shapes a trainer gives it: whole 128-row tiles (here the shape's own).
+    padding = dict(context_rows=padded_rows(tokens), query_rows=padded_rows(n_queries))
 
-    def new_batch():
-        return build_block_batch(input_ids, loss_mask, cu_seqlens, positions, anchors, args.block_size,
-                                 cfg.mask_token_id, gamma=7.0)
+    def mask_of(path: str):
+        batch = build_block_batch(input_ids, loss_mask, cu_seqlens, positions, anchors, args.block_size,
+                                  cfg.mask_token_id, gamma=7.0)
+        if path == "dense":
+            return batch, batch.attention_mask
+        if path == "tiles":
+            return batch, batch.sparse_mask
+        return batch, batch.block_mask("flex", compiled=path == "flex compiled", **padding)
 
-    def attention(sparse: bool):
-        batch = new_batch()
-        if sparse:
-            out = batch.sparse_mask.attend(q, k, v, enable_gqa=heads != kv_heads)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attention_mask,
-                                                 enable_gqa=heads != kv_heads)
-        loss = out.float().square().mean()
-        return loss.detach(), torch.autograd.grad(loss, (q, k, v))
+    def attention(path: str, backward: bool):
+        mask = mask_of(path)[1]
+        with torch.set_grad_enabled(backward):
+            if path == "dense":
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+            else:
+                out = mask.attend(q, k, v, enable_gqa=heads != kv_heads)
+            loss = out.float().square().mean()
+        return loss.detach(), torch.autograd.grad(loss, (q, k, v)) if backward else ()
 
-    def drafter_step(sparse: bool):
-        batch = new_batch()
+    def drafter_step(path: str):
+        batch, mask = mask_of(path)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            mask = batch.sparse_mask if sparse else batch.attention_mask
             hidden = drafter(features, positions, batch.block_input_ids, batch.block_positions, mask)
-            scored = batch.weights > 0
-            loss = dflash_loss(drafter.logits(hidden[scored]), batch.labels[scored], batch.weights[scored])
+            rows = batch.scored_rows
+            loss = dflash_loss(drafter.logits(hidden[rows]), batch.labels[rows], batch.weights[rows])
         return loss.detach(), torch.autograd.grad(loss, params)
 
-    return {"attention": attention, "drafter step": drafter_step}, n_queries, n_keys
+    # torch has no FlexAttention backward on CPU; the eager flex step materialises every score.
+    with_backward = [p for p in PATHS if device.type == "cuda" or not p.startswith("flex")]
+    steps = {("attention", False): {p: (lambda p=p: attention(p, False)) for p in PATHS},
+             ("attention", True): {p: (lambda p=p: attention(p, True)) for p in with_backward},
+             ("drafter step", True): {p: (lambda p=p: drafter_step(p)) for p in with_backward if p != "flex"}}
+    return {key: paths for key, paths in steps.items() if key[0] in args.scopes}, n_queries, n_keys
 
 
 def measure(args, device: torch.device) -> list[dict]:
     steps, n_queries, n_keys = make_steps(args, device)
+    tolerance = dict(rtol=2e-2, atol=2e-3) if args.dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
     rows = []
-    for scope, step in steps.items():
-        (dense_loss, dense_grads), dense_peak = peak_allocated_bytes(lambda step=step: step(False), device)
-        (sparse_loss, sparse_grads), sparse_peak = peak_allocated_bytes(lambda step=step: step(True), device)
-        tolerance = dict(rtol=2e-2, atol=2e-3) if args.dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(sparse_loss, dense_loss, **tolerance)
-        for ours, reference in zip(sparse_grads, dense_grads, strict=True):
-            torch.testing.assert_close(ours, reference, **tolerance)
-        del dense_grads, sparse_grads
-        t_dense, t_sparse = best_seconds([lambda step=step: step(False), lambda step=step: step(True)],
-                                         args.repeats, device)
-        rows.append({
-            "scope": scope, "seq_len": args.seq_len, "anchors": args.anchors, "block_size": args.block_size,
-            "queries": n_queries, "keys": n_keys, "dense_mask_entries": n_queries * n_keys,
-            "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads, "layers": args.layers,
-            "dtype": args.dtype, "device": str(device),
-            "dense_peak_mib": round(dense_peak / 2**20, 1), "sparse_peak_mib": round(sparse_peak / 2**20, 1),
-            "peak_ratio": round(sparse_peak / dense_peak, 3),
-            "dense_ms": round(t_dense * 1e3, 1), "sparse_ms": round(t_sparse * 1e3, 1),
-            "speedup": round(t_dense / t_sparse, 2),
-        })
+    for (scope, backward), paths in steps.items():
+        results, peaks = {}, {}
+        for path, step in paths.items():
+            step()  # warm-up (compiled: the compilation) outside the peak
+            results[path], peaks[path] = peak_allocated_bytes(step, device)
+        dense_loss, dense_grads = results["dense"]
+        for loss, grads in results.values():  # every path against the dense mask's
+            torch.testing.assert_close(loss, dense_loss, **tolerance)
+            for ours, reference in zip(grads, dense_grads, strict=True):
+                torch.testing.assert_close(ours, reference, **tolerance)
+        del results, dense_grads
+        seconds = dict(zip(paths, best_seconds(list(paths.values()), args.repeats, device), strict=True))
+        for path in paths:
+            rows.append({
+                "scope": scope, "backward": backward, "path": path, "seq_len": args.seq_len,
+                "anchors": args.anchors, "block_size": args.block_size, "queries": n_queries, "keys": n_keys,
+                "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads, "layers": args.layers,
+                "dtype": args.dtype, "device": str(device), "threads": args.threads,
+                "peak_mib": round(peaks[path] / 2**20, 1), "ms": round(seconds[path] * 1e3, 1),
+                "peak_vs_tiles": round(peaks[path] / peaks["tiles"], 3),
+                "time_vs_tiles": round(seconds[path] / seconds["tiles"], 3),
+            })
     return rows
 
 
@@ -132,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--scopes", nargs="+", choices=["attention", "drafter step"],
+                        default=["attention", "drafter step"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -140,13 +164,15 @@ def main(argv=None) -> int:
         rows += measure(argparse.Namespace(**{**vars(args), "dtype": dtype}), device)
     first = rows[0]
     print(f"one sequence of {first['seq_len']} tokens, {first['anchors']} blocks of {first['block_size']}: "
-          f"{first['queries']} queries x {first['keys']} keys; hidden {first['hidden']}, "
-          f"{first['layers']} layer(s), {first['device']}")
-    print(f"{'scope':>13} {'dtype':>9} | {'dense MiB':>9} {'sparse MiB':>10} {'ratio':>6} | {'dense ms':>9} "
-          f"{'sparse ms':>9} {'speed-up':>8}")
+          f"{first['queries']} queries x {first['keys']} keys; hidden {first['hidden']}, {first['heads']}/"
+          f"{first['kv_heads']} heads, {first['layers']} layer(s), {first['device']}, "
+          f"{args.threads} thread(s); load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'scope':>13} {'pass':>8} {'dtype':>9} {'path':>13} | {'peak MiB':>9} {'x tiles':>7} | "
+          f"{'ms':>9} {'x tiles':>7}")
     for r in rows:
-        print(f"{r['scope']:>13} {r['dtype']:>9} | {r['dense_peak_mib']:>9} {r['sparse_peak_mib']:>10} "
-              f"{r['peak_ratio']:>6} | {r['dense_ms']:>9} {r['sparse_ms']:>9} {r['speedup']:>7}x")
+        print(f"{r['scope']:>13} {'fwd+bwd' if r['backward'] else 'forward':>8} {r['dtype']:>9} "
+              f"{r['path']:>13} | {r['peak_mib']:>9} {r['peak_vs_tiles']:>7} | {r['ms']:>9} "
+              f"{r['time_vs_tiles']:>7}")
     print(json.dumps({"rows": rows}))
     return 0
 
