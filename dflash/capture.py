@@ -1,6 +1,6 @@
-"""`python -m dflash.capture --config <yaml> [--out DIR]`: capture the target's features of a training
-config's data set into a feature cache (the work is `dflash.data.capture`; this module parses the command
-line, checks it and maps failures to exit codes)."""
+"""`python -m dflash.capture CONFIG [SECTION.KEY=VALUE ...] [--out DIR]`: capture the target's features
+of a training config's data set into a feature cache (the work is `dflash.data.capture`; this module parses
+the command line, checks it and maps failures to exit codes)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from dflash.core.cli import add_config_arguments, parse_config_command
 from dflash.core.config import ConfigError, check_against_target, load_config
 from dflash.core.runtime import EventLog, StopSignal, exit_code_of
 from dflash.data.capture import DEFAULT_SHARD_MB, FREE_BYTES_ENV, CaptureError, capture
@@ -22,18 +23,18 @@ def main(argv: list[str] | None = None) -> int:
         description="Capture the target's features of a training config's data set into a feature cache "
                     "that runs read with data.features_path. Resumable by shard; SIGTERM stops at a shard "
                     "boundary.")
-    parser.add_argument("--config", required=True, help="the training config (target, layers, data, order)")
+    add_config_arguments(parser)
     parser.add_argument("--out", help="the cache directory (default: the config's data.features_path)")
     parser.add_argument("--replicas", type=int,
                         help="target replicas (default: every visible GPU on cuda, 1 on cpu)")
     parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_MB,
                         help=f"shard size in MiB, whole batches (default {DEFAULT_SHARD_MB}); a stop waits "
                              "for each replica's shard at hand")
-    args = parser.parse_args(argv)
+    args, config_path, overrides = parse_config_command(parser, argv)
     log, stop = EventLog(0), StopSignal().install()
 
     def run_capture() -> None:
-        cfg = load_config(args.config, check_target=False)
+        cfg = load_config(config_path, check_target=False, overrides=overrides)
         check_against_target(cfg)
         out = args.out or cfg.data.features_path
         if not out:

@@ -1,5 +1,7 @@
-"""`python -m dflash.config validate <yaml>`: exit 0 when a training config is good, 2 with the key and
-the message otherwise (the release role runs it in the container before it switches releases).
+"""`python -m dflash.config validate CONFIG [SECTION.KEY=VALUE ...]`: exit 0 when a training config is
+good, 2 with the key and the message otherwise (the release role runs it in the container before it
+switches releases).
+`python -m dflash.config reference` prints every key of the config, generated from its dataclasses.
 
 The config itself (its dataclasses, `load_config`) is `dflash.core.config`; this command sits above the
 layers whose checks it runs: with the machine checks on, regenerated data's thinking mode is checked
@@ -13,13 +15,17 @@ A cuda layout with the machine checks on also needs a torch built for a CUDA ver
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+import typing
 
 from dflash.core import cuda_build
-from dflash.core.config import ConfigError, TrainConfig, load_config
+from dflash.core.cli import add_config_arguments, parse_config_command
+from dflash.core.config import SECTIONS, ConfigError, TrainConfig, load_config
+from dflash.core.sections import type_name
 from dflash.data.data_manifest import check_thinking_mode
 from dflash.training import memory_fit
 
@@ -92,11 +98,31 @@ def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = Fa
     return "\n".join([memory_fit.summary(peaks, by_role), *(p.table() for p in peaks if terms)])
 
 
+def reference() -> str:
+    """Every key of the config, section by section, as YAML with each key's type (generated from the
+    config's dataclasses; docs/CONTRACTS.md says what each one means)."""
+    lines = ["# python -m dflash.config reference: every key of a training config, its type and default",
+             "# (required: no default); what each means: docs/CONTRACTS.md", ""]
+    hints = {name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()}
+    for name, cls in SECTIONS.items():
+        lines.append(f"{name}:")
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "required"
+            shown = default if default == "required" else json.dumps(default)
+            lines.append(f"  {f.name}: {shown}".ljust(40) + f"  # {type_name(hints[name][f.name])}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash.config", description="Check a training config.")
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate", help="exit 0 if the config is valid, else print why and exit 2")
-    validate.add_argument("config", help="path to the YAML training config")
+    add_config_arguments(validate)
     validate.add_argument("--no-target-check", action="store_true",
                           help="skip the checks that need this machine: the target model, the data (and "
                                "its manifest's thinking mode) and the feature cache on disk, the GPUs of the "
@@ -110,9 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--memory-terms", action="store_true",
                           help="when the memory check runs and fits, print each rank's predicted peak term "
                                "by term")
-    args = parser.parse_args(argv)
+    sub.add_parser("reference", help="print every key of the config: its section, type and default")
+    args, _ = parser.parse_known_args(argv)
+    if args.command == "reference":
+        parser.parse_args(argv)
+        print(reference(), end="")
+        return 0
+    args, config_path, overrides = parse_config_command(parser, argv)
+    args.config = config_path
     try:
-        cfg = load_config(args.config, check_target=not args.no_target_check)
+        cfg = load_config(config_path, check_target=not args.no_target_check, overrides=overrides)
         if not args.no_target_check:
             check_thinking_mode(cfg)
             check_features(cfg)
@@ -129,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = cfg.data_counts
     warning = counts.warning(cfg.data.max_length) if counts else None
     if args.json:
-        print(json.dumps({"ok": True, "config": str(args.config), **({"memory": fit} if fit else {}),
-                          **({"cuda": cuda} if cuda else {}),
+        print(json.dumps({"ok": True, "config": str(args.config),
+                          **({"overrides": overrides} if overrides else {}),
+                          **({"memory": fit} if fit else {}), **({"cuda": cuda} if cuda else {}),
                           **({"data": counts.as_fields()} if counts else {}),
                           **({"warning": warning} if warning else {})}))
     else:

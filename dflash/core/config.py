@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class TrainConfig:
     # Not a key of the file either: what data.path's rows give under this config (`surveyed`), as the run's
     # start line and `validate` report it.
     data_counts: DataCounts | None = field(default=None, compare=False)
+    # The command line's SECTION.KEY=VALUE items laid over the file (`load_config`), as the start line
+    # echoes them.
+    overrides: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -337,18 +341,65 @@ def check_output_dir(cfg: TrainConfig) -> None:
                           "link) chose; remove it or point run.output_dir elsewhere")
 
 
-def load_config(path: str | Path, check_target: bool = True) -> TrainConfig:
-    """Read, validate and return the YAML config at `path`; raise ConfigError on any problem.
+class _Loader(yaml.SafeLoader):
+    """YAML as a config is written: `3e-3` is a float (YAML 1.1, PyYAML's, reads a float only with a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def read_yaml(text: str):
+    """The YAML document `text`, floats such as `3e-3` included (yaml.YAMLError when it is not YAML)."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, dict]:
+    """`["optim.lr=1e-3", "run.output_dir=runs/b"]` -> {"optim": {"lr": 0.001}, "run": {...}}: each value
+    read as YAML (so `null`, `[1, 2]`, `true` mean what they mean in the file); ConfigError for an item
+    that is not SECTION.KEY=VALUE. Keys and types are checked where the file's are (`config_from_dict`)."""
+    sections: dict[str, dict] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name or "." in name:
+            raise ConfigError("config", f"override {item!r}: expected SECTION.KEY=VALUE (optim.lr=1e-3)")
+        try:
+            value = read_yaml(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"override {item!r}: the value is not YAML: {exc}") from exc
+        sections.setdefault(section, {})[name] = value
+    return sections
+
+
+def apply_overrides(raw, overrides: dict[str, dict]):
+    """The parsed config file `raw` with `overrides` (`parse_overrides`) laid over its sections."""
+    if not overrides or not isinstance(raw, dict):
+        return raw
+    merged = dict(raw)
+    for section, values in overrides.items():
+        base = merged.get(section)
+        merged[section] = {**(base if isinstance(base, dict) else {}), **values}
+    return merged
+
+
+def load_config(path: str | Path, check_target: bool = True, overrides: list[str] | tuple[str, ...] = ()
+                ) -> TrainConfig:
+    """Read, validate and return the YAML config at `path`, with `overrides` (SECTION.KEY=VALUE, as on the
+    command line) laid over it; raise ConfigError on any problem.
     `check_target` also checks it against this machine: the target and the data on disk, the output
     directory, the visible GPUs; and counts data.path's examples when optim.epochs needs them."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = read_yaml(path.read_text())
     except OSError as exc:
         raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError("config", f"{path} is not valid YAML: {exc}") from exc
-    cfg = config_from_dict(raw)
+    cfg = config_from_dict(apply_overrides(raw, parse_overrides(overrides)))
+    if overrides:
+        cfg = dataclasses.replace(cfg, overrides=tuple(overrides))
     if check_target:
         check_against_target(cfg)
         check_data(cfg)

@@ -95,16 +95,17 @@ def rendezvous_arguments(pipeline: PipelineConfig) -> list[str]:
             "--rdzv-conf", f"is_host={is_host},join_timeout={pipeline.rendezvous_timeout}", *own]
 
 
-def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int, log_dir: str) -> list[str]:
+def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int, log_dir: str,
+                     overrides: tuple[str, ...] = ()) -> list[str]:
     """torchrun for this container: the rendezvous, one worker per layout slot, its per-rank error
-    files under `log_dir`."""
+    files under `log_dir`; each worker reads the config with the command line's `overrides`."""
     return [
         sys.executable, "-m", "torch.distributed.run", *rendezvous_arguments(pipeline),
         "--nproc-per-node", str(n_workers), "--max-restarts", str(pipeline.max_restarts),
         "--monitor-interval", str(MONITOR_INTERVAL_S), "--shutdown-timeout", str(TORCHRUN_SHUTDOWN_TIMEOUT_S),
         # SIGTERM/SIGINT are this launcher's to forward (see the module's docstring).
         "--signals-to-handle", "SIGHUP,SIGQUIT", "--log-dir", log_dir,
-        "-m", "dflash.run.pipeline", "--config", config_path,
+        "-m", "dflash.run.pipeline", "--config", config_path, *overrides,
     ]
 
 
@@ -310,7 +311,8 @@ class Launcher:
             shutil.rmtree(log_dir, ignore_errors=True)
 
     def _run(self, log_dir: str) -> int:
-        command = torchrun_command(self.cfg.pipeline, self.config_path, len(self.specs), log_dir)
+        command = torchrun_command(self.cfg.pipeline, self.config_path, len(self.specs), log_dir,
+                                   self.cfg.overrides)
         self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs],
                   max_restarts=self.cfg.pipeline.max_restarts)
         self.process = subprocess.Popen(

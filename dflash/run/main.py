@@ -1,4 +1,5 @@
-"""Entry point: `python -m dflash.train --config <yaml>`.
+"""Entry point: `python -m dflash.train CONFIG [SECTION.KEY=VALUE ...] [--dry-run] [--fresh]` (`--config
+CONFIG` too: `dflash.core.cli`).
 
 A config whose `pipeline` section names workers runs as a pipeline: this process becomes its
 launcher (dflash.run.launcher). Otherwise the run is this one process: the frozen target and the
@@ -16,6 +17,7 @@ import sys
 
 import torch
 
+from dflash.core.cli import add_config_arguments, parse_config_command
 from dflash.core.config import ConfigError, TrainConfig, load_config
 from dflash.core.runtime import EXIT_BAD_INPUT, StopSignal, exit_code_of
 from dflash.core.safe_paths import UnsafePath
@@ -23,6 +25,7 @@ from dflash.data.data_manifest import check_thinking_mode
 from dflash.data.examples import DataError
 from dflash.data.target import TargetHead, load_target, step_features
 from dflash.run.cache_feed import cached_run
+from dflash.run.effective import effective_config
 from dflash.run.status import RunStatus, StatusLog
 from dflash.training.checkpoint import check_fresh_start, move_run_aside
 from dflash.training.drafter_run import DrafterRun
@@ -84,19 +87,47 @@ def run_single_process(cfg: TrainConfig) -> int:
                         "dflash.train")
 
 
+HELP_EPILOG = """\
+config sections (every key, its type and default: python -m dflash.config reference; their meaning:
+docs/CONTRACTS.md):
+  model     the frozen target (target_path), the drafter's shape (num_draft_layers, block_size,
+            target_layer_ids, mask_token_id, layer_types), dtype and memory knobs
+  data      the training JSON lines (path, max_length, batch_size, max_anchors, min_loss_tokens), the
+            held-out set (eval_path, eval_examples), a feature cache (features_path), enable_thinking
+  optim     lr, weight_decay, warmup_ratio, max_grad_norm, total_steps or epochs, the loss weighting
+  run       output_dir, save_every, keep_checkpoints, log_every, eval_every, seed, resume
+  pipeline  device, and the pipeline's layout: target and drafter workers or GPUs, members
+
+examples:
+  python -m dflash.train configs/tiny-cpu.yaml --dry-run
+  python -m dflash.train configs/tiny-cpu.yaml optim.lr=1e-3 run.output_dir=runs/lr1e-3
+  python -m dflash.train configs/tiny-cpu.yaml run.resume=false --fresh
+
+exit codes: 0 done or stopped (SIGTERM: checkpoint, then exit), 1 crashed, 2 bad input."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash.train",
-                                     description="Train a DFlash drafter for a frozen target model.")
-    parser.add_argument("--config", required=True,
-                        help="path to the YAML training config (see docs/CONTRACTS.md)")
+                                     description="Train a DFlash drafter for a frozen target model.",
+                                     epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config, resolve it and print the effective config (with the target "
+                             "layers, mask token, steps and warm-up, the data's counts, the checkpoint a "
+                             "resume takes); start nothing, write nothing")
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run in run.output_dir: the run already there (checkpoints, "
                              "status.json, logs) is moved aside to <output_dir>.previous-<UTC time>, never "
                              "deleted")
-    args = parser.parse_args(argv)
+    args, config_path, overrides = parse_config_command(parser, argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(config_path, overrides=overrides)
         check_thinking_mode(cfg)  # before any process or model starts
+        if args.dry_run:
+            resuming = None if args.fresh else (check_fresh_start(cfg.run.output_dir, cfg.run.resume)
+                                                or check_resume(cfg))
+            print(effective_config(cfg, resuming), end="")
+            return 0
         if args.fresh:
             aside = move_run_aside(cfg.run.output_dir)
             if aside is not None:
@@ -109,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"dflash.train: warning: resuming {resuming[0]} with keys changed since it was saved: "
                       f"{describe(resuming[1])}", file=sys.stderr)
     except (ConfigError, UnsafePath) as exc:
-        print(f"invalid config {args.config}: {exc}", file=sys.stderr)
+        print(f"invalid config {config_path}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if cfg.pipeline.is_multi_process:
         from dflash.run.launcher import launch
 
-        return launch(cfg, args.config)
+        return launch(cfg, config_path)
     return run_single_process(cfg)
 
 

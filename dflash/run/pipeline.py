@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.rendezvous import rendezvous
 
+from dflash.core.cli import add_config_arguments, parse_config_command
 from dflash.core.config import ConfigError, PipelineConfig, TrainConfig, load_config, with_examples
 from dflash.core.runtime import EventLog, StopSignal
 from dflash.core.stopping import (
@@ -299,14 +300,15 @@ def attempt_store(ctx: WorkerContext) -> dist.Store:
     return dist.PrefixStore("dflash/start" if ctx.members > 1 else f"dflash/start-{ctx.restart}", store)
 
 
-def run_worker(config_path: str, stop: StopSignal, log: WorkerLog) -> None:
+def run_worker(config_path: str, stop: StopSignal, log: WorkerLog,
+               overrides: list[str] | None = None) -> None:
     """All a worker does. An exception goes to torchrun's error file on its way out (what `record`
     does, here before the process group is destroyed: a peer that loses this worker then reports
     only after it)."""
     errors = get_error_handler()
     errors.initialize()
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, overrides=overrides or ())
         ctx = WorkerContext.from_env(cfg.pipeline)
         log.worker = ctx.name
         log.emit("worker_start", pid=os.getpid(), rank=ctx.rank, local_rank=ctx.local_rank,
@@ -331,13 +333,13 @@ def run_worker(config_path: str, stop: StopSignal, log: WorkerLog) -> None:
             dist.destroy_process_group()
 
 
-def worker_main(config_path: str) -> int:
+def worker_main(config_path: str, overrides: list[str] | None = None) -> int:
     stop = StopSignal().install()
     die_with_parent()  # torchrun puts workers in sessions of their own: none outlives it
     log = WorkerLog(0, f"rank {os.environ.get('RANK', '?')}")
     code = 1
     try:
-        run_worker(config_path, stop, log)
+        run_worker(config_path, stop, log, overrides)
         code = 0
     except (ConfigError, DataError, FileNotFoundError) as exc:
         log.emit("error", message=str(exc))
@@ -362,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         description="One worker of a pipeline run. Started by torchrun through the launcher (python -m "
                     "dflash.train with a pipeline layout); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.",
     )
-    parser.add_argument("--config", required=True, help="path to the YAML training config")
-    args = parser.parse_args(argv)
-    return worker_main(args.config)
+    add_config_arguments(parser)
+    _, config_path, overrides = parse_config_command(parser, argv)
+    return worker_main(config_path, overrides)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ class DrafterRun:
         plan = {**self.cfg.step_plan, "examples": len(self.examples)}
         counts = self.cfg.data_counts  # data.path's rows, those that train and those max_length cuts
         self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
-                      target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}))
+                      target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}),
+                      **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
         if counts is not None and counts.warning(self.cfg.data.max_length):
             self.log.emit("warning", message=counts.warning(self.cfg.data.max_length))
         steps_this_run = 0
