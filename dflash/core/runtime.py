@@ -81,9 +81,20 @@ def write_file(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def _finite(value):
-    """JSON has no NaN: report it as null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def finite(value):
+    """`value` with every NaN and infinity in it (in lists and mappings too) as None: JSON has neither."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON (no NaN, no Infinity: `finite`)."""
+    return json.dumps(finite(record), allow_nan=False)
 
 
 class StatusFile:
@@ -100,7 +111,7 @@ class StatusFile:
             raise KeyError(f"status.json has no field(s) {sorted(unknown)}")
         if "state" in fields and fields["state"] not in STATES:
             raise ValueError(f"status state must be one of {STATES}, got {fields['state']!r}")
-        self.fields.update({k: _finite(v) for k, v in fields.items()})
+        self.fields.update({k: finite(v) for k, v in fields.items()})
         record = {**self.fields, "updated_at": datetime.now(UTC).isoformat(timespec="seconds")}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         write_file(tmp, json.dumps(record, indent=2) + "\n")
@@ -122,10 +133,10 @@ class EventLog:
         self.lost_lines = 0
 
     def emit(self, event: str, **fields) -> None:
-        record = {"event": event, "time": round(time.time(), 3), **{k: _finite(v) for k, v in fields.items()}}
+        record = {"event": event, "time": round(time.time(), 3), **fields}
         if self.progress is not None and event != "step":
             self.progress.write("\n")
-        self.write_line(json.dumps(record))
+        self.write_line(json_line(record))
 
     def write_line(self, line: str, stream=None) -> None:
         """Write `line` at once; a failed write (ENOSPC, EIO) loses the line, and is reported. A file goes

@@ -14,13 +14,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash.core.runtime import FILE_MODE, ensure_dir, output_mode
+from dflash.core.runtime import FILE_MODE, ensure_dir, json_line, output_mode
 from dflash.core.safe_paths import open_file
 
 if TYPE_CHECKING:  # an annotation only: the controller's plots (dflash.plots) read METRICS_FILE without torch
@@ -120,9 +119,7 @@ class RunTelemetry:
         if not self.enabled:
             return
         path = ensure_dir(self.output_dir) / METRICS_FILE
-        line = json.dumps({"kind": kind, "step": step,
-                           **{k: None if isinstance(v, float) and not math.isfinite(v) else v
-                              for k, v in figures.items()}})
+        line = json_line({"kind": kind, "step": step, **figures})
         try:
             with os.fdopen(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE), "a") as f:
                 os.fchmod(f.fileno(), output_mode(FILE_MODE))

@@ -14,7 +14,7 @@ from dflash.core.config import config_from_dict
 from dflash.core.runtime import EventLog
 from dflash.run.main import run_single_process
 from dflash.training.plots import main as plots_main
-from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR
+from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR, RunTelemetry
 
 
 def run_records(raw: dict, capsys) -> list[dict]:
@@ -117,3 +117,26 @@ def test_progress_line_shows_step_total_and_an_eta(monkeypatch):
     first, second = terminal.getvalue().split("\r")[1:]
     assert " 10/100 " in first and "ETA --" in first
     assert " 20/100 " in second and "ETA 1m20s" in second
+
+
+def strict_json(line: str) -> dict:
+    """`line` read as strict JSON: NaN and Infinity are not JSON."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} in a JSON line: {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_no_nan_anywhere_in_a_log_line_or_a_metrics_line(tmp_path):
+    figures = {"loss": math.nan, "accuracy_by_position": [math.nan, 0.5, math.inf],
+               "nested": {"tau": math.nan}}
+    stream = io.StringIO()
+    EventLog(total_steps=1, stream=stream).emit("step", step=1, **figures)
+    logged = strict_json(stream.getvalue())
+    assert logged["loss"] is None and logged["accuracy_by_position"] == [None, 0.5, None]
+    assert logged["nested"] == {"tau": None}
+    telemetry = RunTelemetry(tmp_path, enabled=True, warn=print)
+    telemetry.record("train", 1, figures)
+    telemetry.close()
+    metrics = strict_json((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["accuracy_by_position"] == [None, 0.5, None]
