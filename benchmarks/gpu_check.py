@@ -1,6 +1,6 @@
 """The GPU check for one CUDA GPU, in one command: `python3 -m benchmarks.gpu_check --out DIR`.
 
-Five parts, each in its own process where it measures memory, on cuda:0:
+Six parts, each in its own process where it measures memory, on cuda:0:
 
 a. the drafter step at the paper's shape and Qwen3-8B's width (5 layers, one sequence of 3072
    tokens with 512 anchors, blocks of 16, H 4096, vocabulary 151936; bf16 autocast over fp32
@@ -20,7 +20,12 @@ e. the recipe's drafter rank (`configs/qwen3-8b.yaml`, the trainer's own code on
    of `data.eval_examples` documents of 3072 tokens (two with a full-length response, the others'
    features held but their responses short, so that it takes seconds), beside the step's gradients and
    AdamW state as in a run. Each phase's `torch.cuda.max_memory_allocated` (everything allocated: the
-   weights included), beside the memory model's prediction for that phase (`predicted_peaks`).
+   weights included), beside the memory model's prediction for that phase (`predicted_peaks`);
+f. the recipe's drafter step by attention backend (`benchmarks.drafter_speed`): FlexAttention compiled
+   (what a run uses on CUDA) against the tiles, batch 8 x 3072, after warm-up, with documents that change
+   between steps: step time, samples/s, tokens/s, the first step's compilation, `max_memory_reserved`
+   beside the prediction, new torch.compile graphs after warm-up (the goal: none), the speed-up, and
+   SpecForge's published samples/s beside them. Alone (`--parts drafter_speed`) about 3 minutes.
 
 It prints one table and a JSON line and writes both to `--out` (`gpu_check.txt`, `gpu_check.json`);
 exit 0 when every part passed. One GPU cannot show nccl between ranks, DDP's all-reduce, or the
@@ -45,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.drafter_speed import speed_part, table_rows
 from benchmarks.drafter_step import measure_in_subprocess
 from benchmarks.memory import peak_allocated_bytes, peak_rss_bytes
 from dflash.core.config import (
@@ -196,15 +202,16 @@ def _device_peak(fn, dev: torch.device) -> tuple[object, int, float]:
     return result, peak, time.perf_counter() - started
 
 
-def recipe_part(mode: str, device: str) -> dict:
-    """Run in a child process (`--part recipe`): the drafter rank's step and held-out evaluation."""
+def recipe_trainer(mode: str, dev: torch.device, **model):
+    """(trainer, config, width of its features, dtype): the recipe's drafter rank (`recipe_config`, its
+    `model` keys replaced by `model`) with a random drafter around a random frozen embedding and lm_head
+    of the target's shape, initialised in place on `dev`."""
     from transformers import Qwen3Config
 
     from dflash.data.target import TargetHead
-    from dflash.training.heldout import HeldOutDocument, HeldOutEvaluator
-    from dflash.training.trainer import DrafterTrainer, build_drafter, compute_precision, resolve_layer_ids
+    from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
-    t, dev = TARGET_SHAPE[mode], torch.device(device)
+    t = TARGET_SHAPE[mode]
     with tempfile.TemporaryDirectory(prefix="gpu_check-recipe-") as tmp:
         config = Qwen3Config(vocab_size=t["vocab"], hidden_size=t["hidden"],
                              intermediate_size=t["intermediate"], num_hidden_layers=t["layers"],
@@ -213,6 +220,7 @@ def recipe_part(mode: str, device: str) -> dict:
                              max_position_embeddings=40960, tie_word_embeddings=False)
         config.save_pretrained(tmp)  # config.json only: what the drafter's build reads of its target
         cfg = recipe_config(mode, Path(tmp))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
         torch.manual_seed(0)
         # The target's frozen embedding and lm_head in its dtype, initialised in place on the device.
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -223,18 +231,40 @@ def recipe_part(mode: str, device: str) -> dict:
             frozen.weight.normal_(std=0.02)
         with dev:
             drafter = build_drafter(cfg, TargetHead(config, embed, head))
-        layer_ids = resolve_layer_ids(cfg, t["layers"])
-    trainer = DrafterTrainer(drafter, cfg)
-    d, width = cfg.data, len(layer_ids) * t["hidden"]
+        width = len(resolve_layer_ids(cfg, t["layers"])) * t["hidden"]
+    return DrafterTrainer(drafter, cfg), cfg, width, dtype
+
+
+def recipe_batch(cfg: TrainConfig, width: int, dtype: torch.dtype, dev: torch.device, g: torch.Generator,
+                 lengths: list[int] | None = None) -> dict:
+    """A packed feature batch of documents of `lengths` tokens (default: the recipe's batch, each of
+    data.max_length), random features and tokens; each document's prompt is unscored."""
+    d, vocab = cfg.data, cfg.model.mask_token_id
+    lengths = lengths or [d.max_length] * d.batch_size
+    tokens = sum(lengths)
+    masks = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.int64, device=dev)
+        mask[:min(PROMPT_TOKENS, n // 4)] = 0
+        masks.append(mask)
+    return {"features": torch.randn(tokens, width, generator=g, device=dev).to(dtype),
+            "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+            "position_ids": torch.cat([torch.arange(n, device=dev) for n in lengths]),
+            "input_ids": torch.randint(0, vocab, (tokens,), generator=g, device=dev),
+            "loss_mask": torch.cat(masks)}
+
+
+def recipe_part(mode: str, device: str) -> dict:
+    """Run in a child process (`--part recipe`): the drafter rank's step and held-out evaluation."""
+    from dflash.training.heldout import HeldOutDocument, HeldOutEvaluator
+    from dflash.training.trainer import compute_precision
+
+    t, dev = TARGET_SHAPE[mode], torch.device(device)
+    trainer, cfg, width, dtype = recipe_trainer(mode, dev)
+    drafter, d = trainer.drafter, cfg.data
     g, g_cpu = torch.Generator(device=dev).manual_seed(0), torch.Generator().manual_seed(0)
-    tokens, prompt = d.batch_size * d.max_length, min(PROMPT_TOKENS, d.max_length // 4)
-    mask = torch.ones(d.max_length, dtype=torch.int64, device=dev)
-    mask[:prompt] = 0
-    batch = {"features": torch.randn(tokens, width, generator=g, device=dev).to(dtype),
-             "cu_seqlens": torch.arange(0, tokens + 1, d.max_length, dtype=torch.int32),
-             "position_ids": torch.arange(d.max_length, device=dev).repeat(d.batch_size),
-             "input_ids": torch.randint(0, t["vocab"] - 1, (tokens,), generator=g, device=dev),
-             "loss_mask": mask.repeat(d.batch_size)}
+    prompt = min(PROMPT_TOKENS, d.max_length // 4)
+    batch = recipe_batch(cfg, width, dtype, dev, g)
     trainer.train_step(**batch)  # the first step creates AdamW's moments; the second is the steady state
     result, step_peak, step_seconds = _device_peak(lambda: trainer.train_step(**batch), dev)
     batch.clear()  # the step's features go, as a run's batch does
@@ -424,6 +454,9 @@ def table(results: dict, header: str) -> str:
                   f"   {'phase':>12} | {'peak GiB':>8} | {'predicted GiB':>13} | {'seconds':>7}"]
         lines += [f"   {name:>12} | {e[name]['peak_gib']:>8} | {str(e[name]['predicted_gib']):>13} | "
                   f"{e[name]['seconds']:>7}" for name in ("drafter_step", "heldout")]
+    f = results.get("drafter_speed", {"error": ""})
+    if "error" not in f:
+        lines += table_rows(f)
     lines += [f"{name}: FAILED: {(r['error'].splitlines() or [''])[0][:300]}"
               for name, r in results.items() if "error" in r]
     lines += [NOT_SHOWN]
@@ -432,7 +465,8 @@ def table(results: dict, header: str) -> str:
 
 PARTS = {"drafter_step": drafter_part, "target_capture": lambda mode, device: run_part_in_subprocess(
     "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part,
-         "recipe": lambda mode, device: run_part_in_subprocess("recipe", mode, device)}
+         "recipe": lambda mode, device: run_part_in_subprocess("recipe", mode, device),
+         "drafter_speed": speed_part}
 CHILD_PARTS = {"capture": capture_part, "recipe": recipe_part}
 
 

@@ -102,3 +102,23 @@ def test_without_cuda_the_check_measures_nothing_and_says_so(tmp_path):
     assert done.returncode == 1
     assert "no CUDA device" in done.stderr and "--dry-run" in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_the_drafter_speed_part_runs_each_backend_and_says_which_it_used(tmp_path):
+    done = gpu_check("--dry-run", "--parts", "drafter_speed", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["ok"] and "recipe" not in record  # that part alone
+    speed = record["drafter_speed"]
+    auto, tiles = speed["auto"], speed["tiles"]
+    # torch has no FlexAttention backward on CPU: there auto is the tiles, and says why.
+    assert auto["backend"] == tiles["backend"] == "tiles" and "backward" in auto["reason"]
+    for row in (auto, tiles):
+        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and row["blocks"] == 2 * 8
+        assert len(row["steps_s"]) == 4 and row["new_graphs_after_warmup"] == 0
+    assert auto["loss"] == pytest.approx(tiles["loss"], rel=1e-2)  # same weights, data and anchors
+    assert speed["reference"]["samples_per_s"] == 8.7 and speed["speedup"] > 0
+    table = (tmp_path / "gpu_check.txt").read_text()
+    assert "f. the drafter step by attention backend (2 layers, H 64, batch 2 x 64" in table
+    assert "speed-up over the tiles" in table and "a. drafter step" not in table
