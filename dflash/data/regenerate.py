@@ -20,6 +20,9 @@ Resumable: rows go to `<out>.part-<r>` as each batch finishes; a second call ski
 have a row (in the parts or in `<out>`), then writes `<out>` (every row, by id) atomically, removes
 the parts and writes `<out>.manifest.json` (`dflash.data.data_manifest`: the target, the prompts,
 the mode, the settings, the rows; atomically too). A line cut short by a kill is dropped.
+SIGTERM (or SIGINT) stops the replicas between two batches: the rows written stay in the parts, nothing is
+merged, a `stopped` line says how many prompts have their row, and the call exits 0; the same command goes
+on. A `progress` line (rows written, of, rows/s, ETA) comes every `--progress-every` rows.
 With `--device cuda` each visible GPU runs one replica of the target on every n-th prompt; on CPU
 (`--replicas`, default 1) the same.
 
@@ -48,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.core.runtime import StopSignal
 from dflash.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
 from dflash.data.feature_cache import write_json
 from dflash.data.target import DTYPES, load_target
@@ -242,9 +246,10 @@ def check_resume(out: Path, call: dict) -> None:
 
 def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
                 dtype: str, settings: GenerationSettings, max_length: int, progress: bool,
-                mode: bool | None = None) -> dict:
+                mode: bool | None = None, progress_every: int = 0, stop: StopSignal | None = None) -> dict:
     """Answer the prompts `replica::replicas` that have no row yet, the template given `mode` as its
-    enable_thinking (None: nothing); returns counts."""
+    enable_thinking (None: nothing); a `progress` line on stdout each time `progress_every` more rows are
+    written (0: none); stop between two batches once `stop` is requested. Returns counts."""
     from tqdm import tqdm
 
     out_path = Path(out)
@@ -275,8 +280,12 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
     # Rows that lost their line end to a kill are dropped on reading; rewrite the part without them.
     kept = _read_rows(part)
     part.write_text("".join(json.dumps(row) + "\n" for row in kept.values()))
+    started, reported, written, stopped = time.monotonic(), 0, 0, False
     with part.open("a") as sink:
         for first in range(0, len(todo), settings.batch_size):
+            if stop is not None and stop.requested:
+                stopped = True
+                break
             batch = todo[first: first + settings.batch_size]
             torch.manual_seed(settings.seed + batch[0][0])
             budget = min(settings.max_new_tokens, max_length - max(len(p) for _, p in batch))
@@ -289,13 +298,20 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
             sink.flush()
             os.fsync(sink.fileno())
             bar.update(len(batch))
+            written += len(batch)
+            if progress_every and (written - reported >= progress_every or written == len(todo)):
+                reported = written
+                rate = written / max(time.monotonic() - started, 1e-9)
+                print(json.dumps({"event": "progress", "replica": replica, "rows": written, "of": len(todo),
+                                  "rows_per_s": round(rate, 2),
+                                  "eta_s": round((len(todo) - written) / rate, 1)}), flush=True)
     bar.close()
-    return {"generated": len(todo), "skipped_done": len(done & set(range(replica, len(chats), replicas))),
-            "skipped_too_long": too_long}
+    return {"generated": written, "skipped_done": len(done & set(range(replica, len(chats), replicas))),
+            "skipped_too_long": too_long, **({"stopped": True} if stopped else {})}
 
 
 def _replica_entry(replica: int, *args) -> None:
-    run_replica(replica, *args)
+    run_replica(replica, *args, stop=StopSignal().install())
 
 
 def merge(out: str | Path, replicas: int) -> int:
@@ -315,9 +331,12 @@ def merge(out: str | Path, replicas: int) -> int:
 
 def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings, device: str = "cpu",
                replicas: int = 1, dtype: str = "float32", max_length: int = 4096,
-               progress: bool = False, enable_thinking: bool = False) -> dict:
+               progress: bool = False, enable_thinking: bool = False, progress_every: int = 0,
+               stop: StopSignal | None = None) -> dict:
     """Regenerate the responses of `prompts` with `replicas` target replicas, in the thinking mode
-    `enable_thinking` where the chat template takes one; returns a summary."""
+    `enable_thinking` where the chat template takes one; returns a summary. Once `stop` is requested the
+    replicas stop between two batches: their rows stay in the parts for the next call, nothing is merged
+    and the summary says `stopped`."""
     started = time.monotonic()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     # Bad prompts, a mode the template cannot take or another mode than the rows there fail here,
@@ -329,9 +348,10 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
               "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype}}
     check_resume(Path(out), record)
     write_json(parts_record_path(out), record)
-    args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode)
+    args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode,
+            progress_every)
     if replicas == 1:
-        counts = run_replica(0, *args)
+        counts = run_replica(0, *args, stop=stop)
     else:
         import torch.multiprocessing as mp
 
@@ -340,22 +360,31 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
         context = mp.get_context("spawn")
         for replica in range(replicas):
             replica_args = (replicas, target, prompts, out, devices[replica], dtype, settings, max_length,
-                            progress, mode)
+                            progress, mode, progress_every)
             process = context.Process(target=_replica_entry, args=(replica, *replica_args))
             process.start()
             processes.append(process)
-        for process in processes:
-            process.join()
+        forwarded = False
+        while any(process.is_alive() for process in processes):
+            if stop is not None and stop.requested and not forwarded:
+                for process in processes:  # SIGTERM: each replica stops after its batch at hand
+                    process.terminate()
+                forwarded = True
+            time.sleep(0.2)
         failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
-        if failed:
+        if failed and not forwarded:
             raise RuntimeError(f"replicas {failed} failed; their finished rows are kept, run again to resume")
         counts = {}
+    seconds = round(time.monotonic() - started, 1)
+    if counts.get("stopped") or (stop is not None and stop.requested):
+        done = len(_read_rows(Path(out))) + sum(len(_read_rows(part)) for part in _parts(Path(out)))
+        return {**counts, "stopped": True, "rows": done, "of": sum(1 for chat in read_chats(prompts) if chat),
+                "replicas": replicas, "enable_thinking": mode, "seconds": seconds}
     total = merge(out, replicas)
     write_json(manifest_path(out), {**record, "rows": total})
     if not _parts(Path(out)):  # parts of another replica count keep their record
         parts_record_path(out).unlink(missing_ok=True)
-    return {**counts, "rows": total, "replicas": replicas, "enable_thinking": mode,
-            "seconds": round(time.monotonic() - started, 1)}
+    return {**counts, "rows": total, "replicas": replicas, "enable_thinking": mode, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,10 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="target replicas (default: 1 on cpu, every visible GPU on cuda)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")
     parser.add_argument("--threads", type=int, help="torch threads per replica on cpu")
+    parser.add_argument("--progress-every", type=int, default=100, metavar="N",
+                        help='a {"event": "progress"} line on stdout (rows written, of, rows/s, ETA) each '
+                             "time a replica has written N more rows (default 100; 0: none)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     replicas = args.replicas or (torch.cuda.device_count() if args.device == "cuda" else 1)
+    stop = StopSignal().install()  # SIGTERM/SIGINT: stop between two batches, keep the rows, exit 0
     try:
         if args.device == "cuda" and not 1 <= replicas <= torch.cuda.device_count():
             raise ValueError(f"--device cuda: {replicas} replicas for {torch.cuda.device_count()} "
@@ -403,9 +436,18 @@ def main(argv: list[str] | None = None) -> int:
                                       args.seed)
         summary = regenerate(args.target, args.prompts, args.out, settings, args.device, replicas, args.dtype,
                              args.max_length, progress=sys.stderr.isatty(),
-                             enable_thinking=args.enable_thinking == "true")
+                             enable_thinking=args.enable_thinking == "true",
+                             progress_every=max(0, args.progress_every), stop=stop)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        stop.restore()
+    if summary.get("stopped"):
+        print(json.dumps({"event": "stopped", "out": args.out, "signal": stop.signal_name, **summary}))
+        print(f"dflash.data regenerate: stopped by {stop.signal_name}: {summary['rows']} of {summary['of']} "
+              f"prompts have their row (kept in {args.out} and its parts); run the same command again to "
+              "go on", file=sys.stderr)
+        return 0
     print(json.dumps({"event": "regenerated", "out": args.out, **summary}))
     return 0
