@@ -131,12 +131,19 @@ class EventLog:
         self._first_shown: tuple[int, float] | None = None
         self.on_log_error = on_log_error or (lambda message: None)
         self.lost_lines = 0
+        self.heldout_tau: float | None = None  # the latest held-out tau logged, for the progress line
 
     def emit(self, event: str, **fields) -> None:
         record = {"event": event, "time": round(time.time(), 3), **fields}
+        self.note(record)
         if self.progress is not None and event != "step":
             self.progress.write("\n")
         self.write_line(json_line(record))
+
+    def note(self, record: dict) -> None:
+        """Keep what the progress line shows of a record of the log (its latest held-out tau)."""
+        if record.get("event") == "heldout" and finite(record.get("heldout_tau")) is not None:
+            self.heldout_tau = record["heldout_tau"]
 
     def write_line(self, line: str, stream=None) -> None:
         """Write `line` at once; a failed write (ENOSPC, EIO) loses the line, and is reported. A file goes
@@ -169,9 +176,11 @@ class EventLog:
             self.lost_lines = 0
             self.on_log_error(None)
 
-    def show_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """`[####....] step/total loss tok/s ETA` on a terminal; the ETA extrapolates the pace of
-        the steps shown since the first call (so a resumed run's earlier steps do not count)."""
+    def show_progress(self, step: int, loss: float, tokens_per_s: float, samples_per_s: float | None = None
+                      ) -> None:
+        """`[####....] step/total loss tau samples/s tok/s ETA` on a terminal (tau: the latest held-out
+        one this log has carried, once there is one); the ETA extrapolates the pace of the steps shown
+        since the first call (so a resumed run's earlier steps do not count)."""
         if self.progress is None:
             return
         now = time.monotonic()
@@ -184,8 +193,10 @@ class EventLog:
             eta = format_duration(seconds)
         width = 30
         done = int(width * step / max(1, self.total_steps))
+        tau = "" if self.heldout_tau is None else f" tau {self.heldout_tau:.2f}"
+        samples = "" if samples_per_s is None else f" {samples_per_s:,.1f} samples/s"
         self.progress.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total_steps} "
-                            f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s ETA {eta}   ")
+                            f"loss {loss:.4f}{tau}{samples} {tokens_per_s:,.0f} tok/s ETA {eta}   ")
         self.progress.flush()
 
 

@@ -218,8 +218,10 @@ class Launcher:
 
     def _on_event(self, record: dict) -> None:
         event, worker = record["event"], self.workers.get(record.get("worker"))
+        self.log.note(record)
         if event == "step":
-            self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0)
+            self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0,
+                                   record.get("samples_per_s"))
         if worker is None:
             return
         if event == "stop" and worker.spec.role == "drafter":

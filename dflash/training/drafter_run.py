@@ -233,7 +233,8 @@ class DrafterRun:
                 figures = self.meter.flush()
                 self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures)
                 self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
-            self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9))
+            self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9),
+                                   self.cfg.data.batch_size * self.cfg.drafters / max(seconds, 1e-9))
             if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
                 self.evaluate_heldout()
             if result.step % run_cfg.save_every == 0:

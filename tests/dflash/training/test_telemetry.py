@@ -119,6 +119,16 @@ def test_progress_line_shows_step_total_and_an_eta(monkeypatch):
     assert " 20/100 " in second and "ETA 1m20s" in second
 
 
+def test_progress_line_shows_the_latest_heldout_tau_and_samples_per_second():
+    terminal = _Terminal()
+    log = EventLog(total_steps=100, stream=io.StringIO(), progress_stream=terminal)
+    log.show_progress(10, 2.0, 500.0, samples_per_s=12.5)
+    assert "tau" not in terminal.getvalue() and "12.5 samples/s" in terminal.getvalue()
+    log.emit("heldout", step=10, heldout_tau=3.214)
+    log.show_progress(11, 1.9, 500.0, samples_per_s=12.5)
+    assert "11/100 loss 1.9000 tau 3.21 12.5 samples/s 500 tok/s" in terminal.getvalue().split("\r")[-1]
+
+
 def strict_json(line: str) -> dict:
     """`line` read as strict JSON: NaN and Infinity are not JSON."""
     def refuse(constant: str):
