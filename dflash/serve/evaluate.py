@@ -1,8 +1,10 @@
 """Acceptance length of a drafter: greedy speculative decoding where the target verifies each block.
 
-`python -m dflash.evaluate --config <yaml> --checkpoint <dir>` decodes held-out prompts (the
-tokens where loss_mask is 0 in `eval.jsonl` next to the training data, or `--data`) and reports,
-per proposer:
+`python -m dflash.evaluate --checkpoint <dir> [--config <yaml>]` decodes held-out prompts (the tokens
+where loss_mask is 0 in `--data`, else the config's `data.eval_path`, else `eval.jsonl` next to the
+training data) and reports, per proposer (`<dir>`: a checkpoint, a run's output directory or an export;
+the config defaults to the checkpoint's own; a drafter of another target is refused before any model
+loads):
 
 - tau, the mean acceptance length: tokens gained per verify step (accepted drafts + the target's
   own next token), between 1 and the block size b; only tokens the output keeps count (none past
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.core.config import ConfigError, TrainConfig, load_config
+from dflash.core.config import ConfigError, TrainConfig, load_config, target_text_config
 from dflash.data.examples import DataError, load_examples
 from dflash.data.target import TargetHead, load_target
 from dflash.model.acceptance import AcceptanceStats
@@ -46,7 +48,9 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.model.hidden_states import get_hidden_states_packed
 from dflash.model.loss import build_block_attention_mask
 from dflash.serve.baselines import Proposer, prompt_lookup_proposer
+from dflash.serve.export import load_export
 from dflash.training.checkpoint import find_checkpoint, fit_to_checkpoint, load_checkpoint
+from dflash.training.resume_check import TARGET_SHAPE, describe
 from dflash.training.trainer import build_drafter, resolve_layer_ids
 
 
@@ -143,9 +147,66 @@ def eval_prompts(data_path: str | Path, max_length: int, limit: int | None) -> l
     return prompts[:limit] if limit else prompts
 
 
+def is_export(path: str | Path) -> bool:
+    """Whether `path` is a `dflash.export` directory (a config.json, weights, no checkpoint meta)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() \
+        and not (path / "meta.json").is_file()
+
+
+def heldout_path(cfg: TrainConfig, given: str | None) -> str:
+    """The held-out rows to decode: `--data`, else data.eval_path, else eval.jsonl beside data.path."""
+    if given:
+        return given
+    if cfg.data.eval_path:
+        return cfg.data.eval_path
+    beside = Path(cfg.data.path).with_name("eval.jsonl")
+    if not beside.is_file():
+        raise DataError(f"no held-out data: data.eval_path is null and there is no {beside} (eval.jsonl "
+                        "beside data.path); set data.eval_path or pass --data")
+    return str(beside)
+
+
+def check_target_of(cfg: TrainConfig, checkpoint: str | Path) -> None:
+    """Refuse, in one line and before any model loads, a checkpoint or export trained for a target of
+    another shape than the config's (its weights would not fit it)."""
+    if is_export(checkpoint):
+        exported = json.loads((Path(checkpoint) / "config.json").read_text())
+        trained = {name: exported.get(name) for name in TARGET_SHAPE}
+    else:
+        meta = json.loads((find_checkpoint(checkpoint) / "meta.json").read_text())
+        trained = meta.get("drafter_config") or {}
+    target = target_text_config(cfg.model.target_path)
+    changes = {f"target {name}": (trained[name], target.get(name)) for name in TARGET_SHAPE
+               if trained.get(name) is not None and target.get(name) != trained[name]}
+    if changes:
+        raise ConfigError("model.target_path", f"{checkpoint} was trained for another target than "
+                          f"{cfg.model.target_path}: {describe(changes)} (the drafter's -> this target's); "
+                          "evaluate it with its own run's config")
+
+
+def trained_drafter(cfg: TrainConfig, checkpoint: str | Path, target: nn.Module, layer_ids: list[int]
+                    ) -> DFlashDrafter:
+    """The drafter of a checkpoint (or of a run's output directory: its latest) or of an export."""
+    if is_export(checkpoint):
+        drafter, exported_ids = load_export(checkpoint, target)
+        if exported_ids != layer_ids:
+            raise ConfigError("model.target_layer_ids", f"{checkpoint} reads target layers {exported_ids}, "
+                              f"the config {layer_ids}: evaluate it with its own run's config")
+        return drafter
+    trained = build_drafter(cfg, TargetHead.of(target))
+    model_state, _, meta = load_checkpoint(find_checkpoint(checkpoint))
+    fit_to_checkpoint(trained.cfg, meta, cfg.model.mask_token_id)
+    trained.load_trainable_state_dict(model_state)
+    return trained
+
+
 def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | Path, max_new_tokens: int,
              num_prompts: int | None = None, include_target: bool = True, progress: bool = False) -> dict:
-    """The figures of each row (trained drafter if a checkpoint is given, untrained drafter, target)."""
+    """The figures of each row (trained drafter if a checkpoint or an export is given, untrained drafter,
+    target)."""
+    if checkpoint is not None:
+        check_target_of(cfg, checkpoint)
     target = load_target(cfg.model.target_path, cfg.model.dtype)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
     block_size = cfg.model.block_size
@@ -155,11 +216,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     torch.manual_seed(cfg.run.seed)
     proposers: list[tuple[str, Proposer]] = []
     if checkpoint is not None:
-        trained = build_drafter(cfg, TargetHead.of(target))
-        model_state, _, meta = load_checkpoint(find_checkpoint(checkpoint))
-        fit_to_checkpoint(trained.cfg, meta, cfg.model.mask_token_id)
-        trained.load_trainable_state_dict(model_state)
-        proposers.append(("trained drafter", drafter_proposer(trained)))
+        proposers.append(("trained drafter", drafter_proposer(trained_drafter(cfg, checkpoint, target,
+                                                                                layer_ids))))
     torch.manual_seed(cfg.run.seed)
     proposers.append(("untrained drafter", drafter_proposer(build_drafter(cfg, TargetHead.of(target)))))
     proposers.append(("prompt lookup", prompt_lookup_proposer(block_size)))
@@ -196,10 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dflash.evaluate",
         description="Mean acceptance length (tau) of a drafter under greedy speculative decoding.",
     )
-    parser.add_argument("--config", required=True, help="the training config (YAML)")
-    parser.add_argument("--checkpoint", help="a checkpoint directory, or a run's output directory (its "
-                                             "latest); without it only the reference rows are computed")
-    parser.add_argument("--data", help="held-out JSON lines (default: eval.jsonl next to data.path)")
+    parser.add_argument("--config", help="the training config (YAML); default: the checkpoint's own "
+                                         "(its config.yaml)")
+    parser.add_argument("--checkpoint", help="a checkpoint directory, a run's output directory (its latest) "
+                                             "or an export directory (dflash.export's); without it only the "
+                                             "reference rows are computed")
+    parser.add_argument("--data", help="held-out JSON lines (default: data.eval_path, else eval.jsonl next "
+                                       "to data.path)")
     parser.add_argument("--num-prompts", type=int, help="evaluate only the first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64,
                         help="tokens to generate per prompt (default 64)")
@@ -213,8 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        cfg = load_config(args.config)
-        data_path = args.data or str(Path(cfg.data.path).with_name("eval.jsonl"))
+        config_path = args.config
+        if config_path is None:
+            if args.checkpoint is None:
+                parser.error("give --config, or --checkpoint (a checkpoint carries its run's config)")
+            if is_export(args.checkpoint):
+                raise ConfigError("config", f"{args.checkpoint} is an export, which carries no training "
+                                  "config: give --config (its run's)")
+            config_path = find_checkpoint(args.checkpoint) / "config.yaml"
+        cfg = load_config(config_path)
+        data_path = heldout_path(cfg, args.data)
         result = evaluate(cfg, args.checkpoint, data_path, args.max_new_tokens, args.num_prompts,
                         include_target=not args.no_target_row, progress=sys.stderr.isatty() and not args.json)
     except (ConfigError, DataError, FileNotFoundError, ValueError) as err:
