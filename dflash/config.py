@@ -83,6 +83,15 @@ def check_cuda_build(cfg: TrainConfig, machine: bool) -> str | None:
     return message
 
 
+class MemoryRefusal(ConfigError):
+    """The predicted peaks do not fit the GPUs: `failing` lists every rank over its GPU
+    (`memory_fit.failing_ranks`), which `--json` prints."""
+
+    def __init__(self, key: str, message: str, failing: list[dict]):
+        super().__init__(key, message)
+        self.failing = failing
+
+
 def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = False) -> str | None:
     """Refuse a config whose ranks' predicted peaks exceed their GPUs (ConfigError with the per-term
     figures and the knob to turn); the one-line summary when it fits (with `terms`, each rank's terms
@@ -94,7 +103,8 @@ def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = Fa
     problem = memory_fit.refusal(peaks, by_role)
     if problem:
         key, message = problem
-        raise ConfigError(key, f"the predicted peak memory does not fit: {message}")
+        raise MemoryRefusal(key, f"the predicted peak memory does not fit: {message}",
+                            memory_fit.failing_ranks(peaks, by_role))
     return "\n".join([memory_fit.summary(peaks, by_role), *(p.table() for p in peaks if terms)])
 
 
@@ -154,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                            terms=args.memory_terms)
     except ConfigError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key,
-                              "message": exc.message}))
+            print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key, "message": exc.message,
+                              **({"failing": exc.failing} if isinstance(exc, MemoryRefusal) else {})}))
         else:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2

@@ -204,21 +204,60 @@ def gpu_memory_of(cfg: TrainConfig, gpus: dict[int, int]) -> dict[str, list[tupl
             "drafter": [(g, gpus[g]) for g in p.drafter_gpus if g in gpus]}
 
 
+# The terms no batch, anchor, chunk or queue setting changes: the weights, their gradients and optimizer
+# state, the runtime. When they alone exceed a GPU, only another layout (or other GPUs) can fit.
+FIXED_TERMS = ("runtime", "target_head", "drafter_weights_fp32", "gradients_fp32", "ddp_buckets",
+               "adamw_state_fp32", "target_layers", "target_embedding_and_head")
+LAYOUT_CHANGE = {
+    "target": "the target's weights need GPUs this large: larger GPUs, model.dtype bfloat16 if it is "
+              "float32, or no target rank at all (a feature cache: python -m dflash.capture once, "
+              "data.features_path)",
+    "drafter": "larger GPUs, model.dtype bfloat16 for the target's head if it is float32, or fewer "
+               "model.num_draft_layers",
+}
+
+
+def fixed_bytes(peak: RolePeak) -> int:
+    """The part of `peak` no batch or chunk setting shrinks (FIXED_TERMS)."""
+    return sum(b for n, b in peak.terms if n in FIXED_TERMS)
+
+
+def advice(peak: RolePeak, size: int) -> tuple[str, str]:
+    """(the config key to turn, how) for `peak` over a GPU of `size` bytes: the key that shrinks its largest
+    term a key can shrink; `pipeline` and the layout change when the fixed terms alone exceed the GPU (or
+    nothing can shrink)."""
+    fixed = fixed_bytes(peak)
+    if fixed > size:
+        return "pipeline", (f"the weights, gradients and optimizer state alone need {fixed / GiB:.1f} GiB, "
+                            "more than the GPU: no batch, anchor or chunk setting fits; "
+                            f"{LAYOUT_CHANGE[peak.role]}")
+    turnable = [(b, n) for n, b in peak.terms if n in KNOBS and b]
+    return KNOBS[max(turnable)[1]] if turnable else ("pipeline", "larger GPUs")
+
+
+def failing_ranks(peaks: list[RolePeak], gpus: dict[str, list[tuple[int, int]]]) -> list[dict]:
+    """Every rank whose predicted peak exceeds its GPU: role, GPU, GiB needed and had, the fixed terms' GiB,
+    the key to turn (`advice`)."""
+    return [{"role": peak.role, "gpu": index, "needs_gib": round(peak.total / GiB, 1),
+             "has_gib": round(size / GiB, 1), "fixed_gib": round(fixed_bytes(peak) / GiB, 1),
+             "key": advice(peak, size)[0]}
+            for peak in peaks for index, size in gpus.get(peak.role, []) if peak.total > size]
+
+
 def refusal(peaks: list[RolePeak], gpus: dict[str, list[tuple[int, int]]]) -> tuple[str, str] | None:
-    """None when every rank's peak fits its GPU; else (the config key to turn, what does not fit):
-    the ranks over their GPU, term by term; the key is the one that shrinks the largest term a key can
-    shrink (`pipeline` when none can: the layout needs larger GPUs)."""
+    """None when every rank's peak fits its GPU; else (the config key to turn, what does not fit): each
+    role's ranks over their GPU, term by term, with `advice`'s key and how (the first role's key first)."""
     problems, keys = [], []
     for peak in peaks:
-        for index, size in gpus.get(peak.role, []):
-            if peak.total <= size:
-                continue
-            turnable = [(b, n) for n, b in peak.terms if n in KNOBS and b]
-            key, how = KNOBS[max(turnable)[1]] if turnable else ("pipeline", "larger GPUs")
-            keys.append(key)
-            problems.append(f"the {peak.role} rank needs {peak.total / GiB:.1f} GiB, GPU {index} has "
-                            f"{size / GiB:.1f} GiB; turn {key} ({how})\n{peak.table()}")
-            break
+        over = [(index, size) for index, size in gpus.get(peak.role, []) if peak.total > size]
+        if not over:
+            continue
+        index, size = min(over, key=lambda gpu: gpu[1])
+        key, how = advice(peak, size)
+        keys.append(key)
+        gpus_named = ", ".join(str(i) for i, _ in over)
+        problems.append(f"the {peak.role} rank needs {peak.total / GiB:.1f} GiB, GPU {index} has "
+                        f"{size / GiB:.1f} GiB (over: GPU {gpus_named}); turn {key} ({how})\n{peak.table()}")
     return (keys[0], "\n".join(problems)) if problems else None
 
 

@@ -86,6 +86,22 @@ def test_the_json_refusal_names_the_key_to_turn(recipe):
     assert done.returncode == 2 and answer["ok"] is False and answer["key"] == "model.loss_chunk_size"
 
 
+def test_weights_alone_over_the_gpu_name_the_layout_change_and_json_lists_every_failing_rank(recipe):
+    """On 16 GB GPUs the Qwen3-8B target's weights alone do not fit, nor do the drafter's weights, head and
+    AdamW state: no batch or chunk knob can help, and the refusal says so for both roles."""
+    done = validate(recipe(), "--no-target-check", "--gpu-memory", "16GB")
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.count("optimizer state alone need") == 2 and "no batch, anchor or chunk" in done.stderr
+    assert "data.features_path" in done.stderr and "model.num_draft_layers" in done.stderr
+    assert "turn model.target_rows_per_pass" not in done.stderr and "turn data.batch_size" not in done.stderr
+    answer = json.loads(validate(recipe(), "--no-target-check", "--gpu-memory", "16GB", "--json").stdout)
+    assert answer["key"] == "pipeline"
+    failing = {(rank["role"], rank["gpu"]) for rank in answer["failing"]}
+    assert failing == {("target", g) for g in range(5)} | {("drafter", g) for g in (5, 6, 7)}
+    assert all(rank["fixed_gib"] > rank["has_gib"] for rank in answer["failing"])
+    assert {rank["key"] for rank in answer["failing"]} == {"pipeline"}
+
+
 def test_nvidia_smi_where_validate_runs_gives_the_gpus_memory(recipe, tmp_path):
     """A cuda layout with the machine checks on reads the GPUs from nvidia-smi: 8 GPUs of 46068 MiB
     (a 48 GB GPU) refuse the unchunked recipe; 143771 MiB (an H200) take it."""
