@@ -27,6 +27,10 @@ load as a DFlash drafter (docs/SERVING.md says how):
 - `SHA256SUMS`: the sha256 of every other file (`sha256sum -c SHA256SUMS` checks a copy), written
   last: a directory without it is an export that did not finish.
 
+`config.json` also names the target it was trained for, `dflash_target: {name_or_path, config_sha256}`
+(the target config's `_name_or_path`, else its directory; the sha256 of its config.json).
+
+`--best` exports the run's kept checkpoint with the best held-out tau (its metrics.jsonl).
 `--into DIR` writes to `DIR/<checkpoint name>` (`step-00000100`) and keeps an export already there
 that its SHA256SUMS still matches (same dtype); `--step N` picks that step of a run's output
 directory, `--plan` says what it would write, and writes nothing. `load_export(dir, target)`
@@ -52,7 +56,14 @@ from dflash.data.target import DTYPES
 from dflash.model import drafter as drafter_module
 from dflash.model import modeling_dflash
 from dflash.model.drafter import SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
-from dflash.training.checkpoint import CHECKPOINT_DIR, checkpoint_name, find_checkpoint
+from dflash.training.checkpoint import (
+    CHECKPOINT_DIR,
+    checkpoint_name,
+    find_checkpoint,
+    list_checkpoints,
+    step_of,
+)
+from dflash.training.plots import read_metrics
 
 ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_DTYPE = "bfloat16"
@@ -117,8 +128,9 @@ def drafter_hf_config(drafter_cfg: DrafterConfig, layer_ids: list[int], target_c
 
 SERVING_README = """# DFlash drafter
 
-A DFlash speculative-decoding drafter ({layers} draft layers, block size {block_size}, {dtype}) for a
-{target_type} target with {target_layers} layers. It conditions on the target's layers
+A DFlash speculative-decoding drafter ({layers}, block size {block_size}, {dtype}) for the target
+{target_name}, a {target_type} model with {target_layers} layers (its config.json's sha256:
+{target_sha}). It conditions on the target's layers
 {layer_ids} (`dflash_config.target_layer_ids`; hidden_states[id + 1]) and fills each block with
 the mask token {mask} (`dflash_config.mask_token_id`). It has no embedding or lm_head of its own:
 the engine uses the target's. Serve it with the target it was trained for. `sha256sum -c SHA256SUMS`
@@ -202,12 +214,26 @@ strictly too. config.json carries the RoPE base both as `rope_parameters` (trans
 """
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def target_identity(target_path: str, target_config_path: Path) -> dict:
+    """Which target an export is for: its config's `_name_or_path` (the Hub id it was saved from), else
+    the directory it was trained with; and the sha256 of its config.json, which names it whatever its path."""
+    text = target_config_path.read_bytes()
+    name = json.loads(text).get("_name_or_path") or target_path
+    return {"name_or_path": name, "config_sha256": hashlib.sha256(text).hexdigest()}
+
+
 def serving_readme(config: dict, out_dir: Path) -> str:
     """The README.md of an export whose config.json is `config`."""
     dflash = config["dflash_config"]
     return SERVING_README.format(
-        layers=config["num_hidden_layers"], block_size=dflash["block_size"], dtype=config["dtype"],
-        target_type=config.get("target_model_type") or "Qwen3-style",
+        layers=plural(config["num_hidden_layers"], "draft layer"), block_size=dflash["block_size"],
+        dtype=config["dtype"], target_type=config.get("target_model_type") or "Qwen3-style",
+        target_name=config.get("dflash_target", {}).get("name_or_path") or "(not recorded)",
+        target_sha=config.get("dflash_target", {}).get("config_sha256") or "not recorded",
         target_layers=config["num_target_layers"],
         layer_ids=dflash["target_layer_ids"], mask=dflash["mask_token_id"],
         draft_tokens=dflash["block_size"] - 1, out_dir=Path(out_dir).resolve(),
@@ -297,6 +323,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters,
     # and the thinking mode of its data (data.enable_thinking; null: a checkpoint that did not record it),
     # the mode to serve it in, with whether a data manifest confirmed it (null: a checkpoint from before).
+    config["dflash_target"] = target_identity(meta["target_path"], target_config_path)
     config["dflash_training"] = {**(meta.get("loss_weighting") or {"loss_weighting": "decay"}),
                                  "enable_thinking": meta.get("enable_thinking"),
                                  "enable_thinking_confirmed": meta.get("enable_thinking_confirmed")}
@@ -351,6 +378,23 @@ def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, lis
     return drafter, list(config.dflash_config["target_layer_ids"])
 
 
+def best_step(run_dir: str | Path) -> int:
+    """The step of the run's kept checkpoint with the best held-out tau (its metrics.jsonl's `heldout`
+    records); FileNotFoundError saying why when no kept checkpoint has one."""
+    kept = {step_of(p) for p in list_checkpoints(run_dir)}
+    try:
+        heldout = read_metrics(run_dir).get("heldout", {})
+    except (FileNotFoundError, ValueError) as exc:
+        raise FileNotFoundError(f"--best: {exc}") from exc
+    taus = {step: record["heldout_tau"] for step, record in heldout.items()
+            if step in kept and record.get("heldout_tau") is not None}
+    if not taus:
+        raise FileNotFoundError(f"--best: no kept checkpoint of {run_dir} has a held-out tau (checkpoints: "
+                                f"{sorted(kept) or 'none'}; a run measures one every run.eval_every steps "
+                                "with data.eval_path set): name one with --step, or export the latest")
+    return max(taus, key=lambda step: (taus[step], step))
+
+
 def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None, into: str | Path | None,
                dtype: str, plan: bool) -> dict:
     """What main prints: the checkpoint picked, where its export goes, and its files' checksums. With
@@ -390,8 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory, or a run's output directory (its latest checkpoint)")
-    parser.add_argument("--step", type=int,
-                        help="with a run's output directory: the checkpoint of this step (default: latest)")
+    pick = parser.add_mutually_exclusive_group()
+    pick.add_argument("--step", type=int,
+                      help="with a run's output directory: the checkpoint of this step (default: latest)")
+    pick.add_argument("--best", action="store_true",
+                      help="with a run's output directory: its kept checkpoint of the best held-out tau")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", help="the directory to write (created if missing)")
     where.add_argument("--into", help="write DIR/<checkpoint name> (step-00000100); an export already there "
@@ -401,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print what would be written; write nothing")
     args = parser.parse_args(argv)
     try:
-        report = run_export(args.checkpoint, args.step, args.out, args.into, args.dtype, args.plan)
+        step = best_step(args.checkpoint) if args.best else args.step
+        report = run_export(args.checkpoint, step, args.out, args.into, args.dtype, args.plan)
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

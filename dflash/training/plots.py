@@ -41,6 +41,16 @@ def _points(records: dict[int, dict], key: str) -> tuple[list[int], list[float]]
     return steps, [records[s][key] for s in steps]
 
 
+EMPTY_NOTE = ("no held-out figures: the run had no data.eval_path\n(set one for held-out loss and tau "
+              "every run.eval_every steps)")
+
+
+def empty_figures(runs: dict[str, dict[str, dict[int, dict]]]) -> list[str]:
+    """The figures that would have no curve: tau.png when no run recorded a held-out tau."""
+    tau = any(_points(series.get("heldout", {}), "heldout_tau")[0] for series in runs.values())
+    return [] if tau else ["tau.png"]
+
+
 def plot_runs(runs: dict[str, dict[str, dict[int, dict]]], out_dir: str | Path) -> list[Path]:
     """Write loss.png and tau.png for `runs` ({label: read_metrics(...)}); returns their paths."""
     import matplotlib
@@ -57,6 +67,8 @@ def plot_runs(runs: dict[str, dict[str, dict[int, dict]]], out_dir: str | Path) 
     )
     for name, ylabel, curves in figures:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        if name in empty_figures(runs):
+            ax.text(0.5, 0.5, EMPTY_NOTE, ha="center", va="center", wrap=True, transform=ax.transAxes)
         for label, series in runs.items():
             for kind, key, what in curves:
                 steps, values = _points(series.get(kind, {}), key)
@@ -94,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in plot_runs(runs, args.out):
         print(path)
+    for name in empty_figures(runs):
+        print(f"note: {name} is empty: {' '.join(EMPTY_NOTE.split())}", file=sys.stderr)
     return 0
 
 
