@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"invalid config {args.config}: {exc}", file=sys.stderr)
         return 2
     counts = cfg.data_counts
-    warning = counts.warning(cfg.data.max_length) if counts else None
+    warning = counts.warning(cfg.data) if counts else None
     if args.json:
         print(json.dumps({"ok": True, "config": str(args.config),
                           **({"overrides": overrides} if overrides else {}),

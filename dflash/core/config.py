@@ -161,18 +161,26 @@ def config_from_dict(raw) -> TrainConfig:
     return TrainConfig(**{name: _section_from_dict(name, raw[name]) for name in SECTIONS if name in raw})
 
 
+def local_model_problem(path: str, option: str = "model.target_path") -> str | None:
+    """Why `path` is not a model directory on this machine (None when it is one): with the download command
+    when it reads as a Hub id, since nothing is ever fetched at run time; `option` is what names it."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        return None
+    hint = ""
+    if path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).exists():
+        hint = (f"; {path!r} reads as a Hugging Face Hub id, and a local directory is needed (nothing is "
+                f"downloaded at run time): run huggingface-cli download {path} --local-dir <dir> and give "
+                f"that directory as {option}")
+    return f"no model at {path!r} (expected {config_file}){hint}"
+
+
 def target_text_config(target_path: str) -> dict:
-    """The (text) config.json of the target saved at `target_path`. A path that is not a directory here
-    is refused, with the download command when it reads as a Hub id: nothing is fetched at run time."""
+    """The (text) config.json of the target saved at `target_path` (`local_model_problem` when none)."""
     config_file = Path(target_path) / "config.json"
-    if not config_file.is_file():
-        hint = ""
-        hub_id = target_path.count("/") == 1 and not target_path.startswith((".", "/"))
-        if hub_id and not Path(target_path).exists():
-            hint = (f"; {target_path!r} reads as a Hugging Face Hub id, and the trainer reads a local "
-                    f"directory only (it never downloads): run huggingface-cli download {target_path} "
-                    "--local-dir <dir> and set model.target_path to that directory")
-        raise ConfigError("model.target_path", f"no model at {target_path!r} (expected {config_file}){hint}")
+    problem = local_model_problem(target_path)
+    if problem:
+        raise ConfigError("model.target_path", problem)
     try:
         raw = json.loads(config_file.read_text())
         text = raw.get("text_config") or raw
@@ -256,16 +264,22 @@ class DataCounts:
     trainable: int
     cut: int
     filtered: int = 0  # of the rows that form no block: those data.min_loss_tokens drops
+    eval_rows: int | None = None  # data.eval_path's rows, when it names one
 
     def as_fields(self) -> dict:
         return {"rows": self.rows, "trainable_rows": self.trainable, "cut_rows": self.cut}
 
-    def warning(self, max_length: int) -> str | None:
-        """What a user should hear about these counts, None when every row trains whole."""
-        if self.trainable == self.rows and not self.cut:
-            return None
-        return (f"{self.rows - self.trainable} of {self.rows} rows form no block and are not trained on; "
-                f"data.max_length {max_length} cuts {self.cut} rows")
+    def warning(self, data) -> str | None:
+        """What a user should hear about these counts under the config's `data` section, None when every
+        row trains whole and the held-out set has the rows asked for."""
+        said = []
+        if self.trainable != self.rows or self.cut:
+            said.append(f"{self.rows - self.trainable} of {self.rows} rows form no block and are not trained "
+                        f"on; data.max_length {data.max_length} cuts {self.cut} rows")
+        if self.eval_rows is not None and data.eval_examples > self.eval_rows:
+            said.append(f"data.eval_examples is {data.eval_examples}, data.eval_path holds {self.eval_rows} "
+                        f"rows: {self.eval_rows} are evaluated")
+        return "; ".join(said) or None
 
 
 def _forms_block(mask: list[int], block_size: int) -> bool:
@@ -310,6 +324,9 @@ def surveyed(cfg: TrainConfig) -> TrainConfig:
                           f"{counts.cut} cut at data.max_length {cfg.data.max_length}; a row needs two loss "
                           f"tokens in a row at least model.block_size ({cfg.model.block_size}) tokens before "
                           "its cut end: raise data.max_length or lower model.block_size")
+    if cfg.data.eval_path is not None:
+        eval_rows = count_examples(cfg.data.eval_path, cfg.data.max_length)
+        counts = dataclasses.replace(counts, eval_rows=eval_rows)
     return dataclasses.replace(cfg, data_counts=counts)
 
 

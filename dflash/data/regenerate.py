@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.core.config import local_model_problem
 from dflash.core.runtime import StopSignal
 from dflash.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
 from dflash.data.feature_cache import write_json
@@ -341,6 +342,9 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     # Bad prompts, a mode the template cannot take or another mode than the rows there fail here,
     # before any model is loaded.
+    problem = local_model_problem(target, "--target")
+    if problem:
+        raise ValueError(f"--target: {problem}")
     read_chats(prompts)
     mode, takes = thinking_mode(target, enable_thinking)
     record = {"format": FORMAT, "target": str(target), "prompts": str(prompts), "enable_thinking": mode,

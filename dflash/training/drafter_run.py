@@ -215,8 +215,8 @@ class DrafterRun:
         self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
                       target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}),
                       **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
-        if counts is not None and counts.warning(self.cfg.data.max_length):
-            self.log.emit("warning", message=counts.warning(self.cfg.data.max_length))
+        if counts is not None and counts.warning(self.cfg.data):
+            self.log.emit("warning", message=counts.warning(self.cfg.data))
         steps_this_run = 0
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()

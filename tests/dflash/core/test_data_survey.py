@@ -78,3 +78,21 @@ def test_a_hub_id_as_target_path_names_the_download_command(tiny_config, tmp_pat
         check_against_target(config_from_dict(raw))
     assert refused.value.key == "model.target_path"
     assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir" in refused.value.message
+
+
+def test_a_hub_id_given_to_regenerate_is_refused_before_anything_loads(tmp_path, capsys):
+    from dflash.data.__main__ import main as data_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    code = data_main(["regenerate", "--target", "Qwen/Qwen3-0.6B", "--prompts", str(prompts), "--out",
+                      str(tmp_path / "train.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "huggingface-cli download Qwen/Qwen3-0.6B --local-dir" in err and "--target" in err
+
+
+def test_eval_examples_over_the_held_out_rows_is_said(tiny_config, tiny_eval_dataset, tmp_path, capsys):
+    raw = tiny_config(tmp_path / "run", data={"eval_path": str(tiny_eval_dataset), "eval_examples": 500})
+    assert validate_main(["validate", "--json", config_file(tmp_path, raw)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert "data.eval_examples is 500, data.eval_path holds 4 rows: 4 are evaluated" in answer["warning"]
