@@ -61,11 +61,16 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, dict[str, tuple]] | None:
     meta = json.loads((checkpoint / "meta.json").read_text())
     changes = config_changes(cfg, checkpoint)
     refused = {**{k: v for k, v in changes.items() if k in SHAPE_KEYS}, **target_changes(cfg, meta)}
+    trained_mask = (meta.get("drafter_config") or {}).get("mask_token_id")
+    configured_mask = cfg.model.mask_token_id
+    if None not in (trained_mask, configured_mask) and trained_mask != configured_mask:
+        refused["model.mask_token_id"] = (trained_mask, configured_mask)  # the weights learnt their mask
     if refused:
-        key = next((k for k in refused if k in SHAPE_KEYS), "model.target_path")
+        key = next((k for k in refused if not k.startswith("target ")), "model.target_path")
         raise ConfigError(key, f"cannot resume {checkpoint}: {describe(refused)} (the checkpoint's -> this "
-                          "config's) change the drafter's shape; set them back to resume, or train from "
-                          "scratch in another run.output_dir (or with --fresh)")
+                          "config's) change the drafter its weights are; set them back to resume (a null "
+                          "mask_token_id takes the checkpoint's), or train from scratch in another "
+                          "run.output_dir (or with --fresh)")
     check_loss_weighting(cfg.loss_weighting, meta)
     check_step_plan(cfg, meta)
     return checkpoint, changes

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from dflash.run.main import main as train_main
+from dflash.training.checkpoint import latest_checkpoint
 
 
 def write_config(path: Path, raw: dict) -> str:
@@ -53,4 +54,16 @@ def test_a_target_of_another_shape_is_refused_in_one_line(tiny_config, make_targ
     assert train_main(["--config", config]) == 2
     err = capsys.readouterr().err
     assert "target hidden_size 32 -> 48" in err and "size mismatch" not in err and "Traceback" not in err
+    assert (run / "status.json").read_text() == status
+
+
+def test_another_mask_token_than_the_checkpoints_is_refused_before_anything_loads(tiny_config, tmp_path,
+                                                                                   capsys):
+    run, status = first_run(tiny_config, tmp_path, capsys)
+    meta = json.loads((latest_checkpoint(run) / "meta.json").read_text())
+    trained = meta["drafter_config"]["mask_token_id"]
+    other = 5 if trained != 5 else 6
+    config = write_config(tmp_path / "mask.yaml", tiny_config(run, model={"mask_token_id": other}))
+    assert train_main(["--config", config]) == 2
+    assert f"model.mask_token_id {trained} -> {other}" in capsys.readouterr().err
     assert (run / "status.json").read_text() == status
