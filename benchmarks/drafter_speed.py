@@ -9,9 +9,9 @@ features, once per attention backend, each in a fresh process:
   train, the tiles, and the row says so);
 - `tiles`: the block-sparse tiles of SDPA (the reference path).
 
-Each runs `WARMUP` steps (the first compiles), then `MEASURED` steps whose document layouts change
-(eight full documents, then ten of other lengths: other anchors, other groups), so that a shape the
-compiled region has not seen would show as a new compilation. Per backend: the first step's seconds
+Each runs its warm-up steps (`STEPS`; the first compiles), then measured steps whose document layouts
+change (eight full documents, then ten of other lengths: other anchors, other groups), so that a shape
+the compiled region has not seen would show as a new compilation. Per backend: the first step's seconds
 (compilation included), the measured steps' median and samples/s (documents of 3072 tokens per
 second, full-batch steps) and tokens/s (every real token), `max_memory_reserved` and
 `max_memory_allocated` over the measured steps beside the memory model's prediction, and the graphs
@@ -21,7 +21,7 @@ published figure (one H200 trainer, online Qwen3-4B DFlash, 5 layers, 512 anchor
 docs/sections/benchmarks/online-sequence-packing.md of sgl-project/SpecForge) and its scaling to
 Qwen3-8B's width (~4.5 samples/s: the drafter's FLOPs per token grow ~1.9x from H 2560 to 4096).
 
-    python3 -m benchmarks.drafter_speed                 # one H200: about 3 minutes
+    python3 -m benchmarks.drafter_speed                 # one H200: about 3 minutes (the tiles: 2)
     python3 -m benchmarks.gpu_check --parts drafter_speed --out DIR   # the same, in the check's table
 """
 
@@ -39,20 +39,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("auto", "tiles")
-WARMUP, MEASURED = 2, 4
+# (warm-up steps, measured steps) per backend: the tiles took ~50 s a step at this shape on an H200
+# (BENCHMARKS.md), so they get one of each, and the part stays within a few minutes.
+STEPS = {"auto": (2, 4), "tiles": (1, 1)}
 SPECFORGE = {"samples_per_s": 8.7, "tokens_per_s": 11253, "width_scaled_samples_per_s": 4.5,
              "source": "SpecForge, one H200, online Qwen3-4B DFlash (5 layers, 512 anchors, batch 4, mean "
                        "1,295 tokens, FlexAttention compiled): docs/sections/benchmarks/"
                        "online-sequence-packing.md; ~4.5 samples/s scaled to Qwen3-8B's width"}
 
 
-def layouts(max_length: int, batch_size: int) -> list[list[int]]:
+def layouts(max_length: int, batch_size: int, measured: int) -> list[list[int]]:
     """The measured steps' documents: the full batch, then as many tokens in documents of other lengths."""
     full = [max_length] * batch_size
     third = max_length // 3
     ragged = [max_length] * (batch_size - 2) + [third, max_length - third, max_length // 2,
                                                  max_length - max_length // 2]
-    return [full if i % 2 == 0 else ragged for i in range(MEASURED)]
+    return [full if i % 2 == 0 else ragged for i in range(measured)]
 
 
 def compiled_graphs() -> int:
@@ -79,15 +81,19 @@ def measure(mode: str, device: str, backend: str) -> dict:
         result = trainer.train_step(**batch)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return time.perf_counter() - started, result
+        seconds = time.perf_counter() - started
+        print(f"{backend} ({trainer.attention.backend}): step {trainer.step} of {len(lengths or [])} or "
+              f"{d.batch_size} documents in {seconds:.2f} s", file=sys.stderr, flush=True)
+        return seconds, result
 
+    warmup, measured_steps = STEPS[backend]
     first_seconds, _ = step()
-    for _ in range(WARMUP - 1):
+    for _ in range(warmup - 1):
         step()
     graphs_at_warmup = compiled_graphs()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    measured = [(lengths, *step(lengths)) for lengths in layouts(d.max_length, d.batch_size)]
+    measured = [(lengths, *step(lengths)) for lengths in layouts(d.max_length, d.batch_size, measured_steps)]
     full_steps = [seconds for lengths, seconds, _ in measured if lengths == [d.max_length] * d.batch_size]
     step_seconds = statistics.median(full_steps)
     tokens = sum(sum(lengths) for lengths, _, _ in measured)
