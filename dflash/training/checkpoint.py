@@ -131,11 +131,20 @@ def check_fresh_start(output_dir: str | Path, resume: bool) -> None:
 def move_run_aside(output_dir: str | Path) -> Path | None:
     """`--fresh`: the run in `output_dir`, whole (checkpoints, status.json, logs), renamed to a sibling
     `<name>.previous-<UTC time>`, which is returned; None when there is nothing there. Nothing is deleted.
-    A run that is still writing there (a save in progress) is refused."""
+    A run still live there (its status.json's process, or a save in progress) is refused."""
     path = Path(output_dir)
     if not path.is_dir() or not any(path.iterdir()):
         return None
     check_directory(path)
+    try:
+        status = json.loads((path / "status.json").read_text())
+    except (OSError, ValueError):
+        status = {}
+    pid = status.get("pid") if isinstance(status, dict) else None
+    if status.get("state") in ("starting", "running", "stopping") and isinstance(pid, int) \
+            and Path(f"/proc/{pid}").exists():
+        raise ConfigError("run.output_dir", f"the run in {path} is {status['state']} (pid {pid}, its "
+                          "status.json): stop it before starting afresh there")
     writing = saves_in_progress(path)
     if writing:
         raise ConfigError("run.output_dir", f"a live process is writing checkpoint step {max(writing)} in "

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
+from dflash.core.config import ConfigError
 from dflash.run.main import main as train_main
-from dflash.training.checkpoint import list_checkpoints, save_checkpoint, step_of
+from dflash.training.checkpoint import list_checkpoints, move_run_aside, save_checkpoint, step_of
 
 
 def write_config(path: Path, raw: dict) -> str:
@@ -61,3 +64,13 @@ def test_pruning_never_deletes_a_checkpoint_of_a_later_step(tmp_path):
     for step in (14, 16):
         save(step)
     assert steps(tmp_path) == [12, 14, 16, 30, 40, 50], "this run's own lineage keeps its latest 3"
+
+
+def test_fresh_refuses_to_move_a_live_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid()}))
+    with pytest.raises(ConfigError, match="stop it before starting afresh"):
+        move_run_aside(run)
+    (run / "status.json").write_text(json.dumps({"state": "stopped", "pid": os.getpid()}))
+    assert move_run_aside(run).name.startswith("run.previous-") and not run.exists()
