@@ -108,3 +108,18 @@ def test_help_lists_the_sections_and_the_reference_lists_every_key(capsys):
         for f in dataclasses.fields(cls):
             assert re.search(rf"^  {f.name}: ", reference, re.M), f"{name}.{f.name} not in the reference"
             assert re.search(rf"^  {f.name}:", contracts, re.M), f"{name}.{f.name} not in docs/CONTRACTS.md"
+
+
+def test_a_pipelines_workers_get_the_command_lines_overrides(monkeypatch):
+    from dflash.core.config import PipelineConfig
+    from dflash.run import pipeline
+    from dflash.run.launcher import torchrun_command
+
+    command = torchrun_command(PipelineConfig(target_workers=1, drafter_workers=1), "/srv/config.yaml", 2,
+                               "/tmp/errors", ("optim.lr=1e-3", "run.seed=2"))
+    worker_args = command[command.index("dflash.run.pipeline") + 1:]
+    assert worker_args == ["--config", "/srv/config.yaml", "optim.lr=1e-3", "run.seed=2"]
+    seen = {}
+    monkeypatch.setattr(pipeline, "worker_main", lambda path, overrides: seen.update(path=path, o=overrides))
+    pipeline.main(worker_args)
+    assert seen == {"path": "/srv/config.yaml", "o": ["optim.lr=1e-3", "run.seed=2"]}
