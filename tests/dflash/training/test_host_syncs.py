@@ -62,10 +62,10 @@ class HostReads:
                             for frame in stack[:4])]
 
 
-def flex_trainer(tiny_target, tiny_config, tmp_path, device="cpu", **model):
-    cfg = config_from_dict(tiny_config(tmp_path, model={"num_draft_layers": 2, **model},
-                                       pipeline={"device": device}))
-    target = load_target(tiny_target, "float32").to(device)
+def flex_trainer(target_path, tiny_config, tmp_path, device="cpu", **model):
+    model = {"num_draft_layers": 2, "target_path": str(target_path), **model}
+    cfg = config_from_dict(tiny_config(tmp_path, model=model, pipeline={"device": device}))
+    target = load_target(target_path, "float32").to(device)
     torch.manual_seed(0)
     trainer = DrafterTrainer(build_drafter(cfg, TargetHead.of(target)), cfg)
     if device == "cpu":
@@ -137,8 +137,10 @@ def test_a_step_without_any_scored_position_still_gives_every_weight_a_zero_grad
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_forward_and_backward_never_synchronise(tiny_target, tiny_config, tmp_path):
-    trainer, batch = flex_trainer(tiny_target, tiny_config, tmp_path, "cuda", dtype="float32")
+def test_on_cuda_the_forward_and_backward_never_synchronise(make_target, tiny_config, tmp_path):
+    # FlexAttention's CUDA kernels need heads of at least 16 (the tiny target's are 8).
+    target = make_target("target16", head_dim=16)
+    trainer, batch = flex_trainer(target, tiny_config, tmp_path, "cuda")
     trainer.train_step(*batch())  # compiles
     features, cu_seqlens, position_ids, tokens, loss_mask = batch()
     parts, _ = trainer.layout(cu_seqlens, position_ids, tokens, loss_mask)
