@@ -212,12 +212,15 @@ class DrafterRun:
         # batch_size, drafters, total_steps.
         plan = {**self.cfg.step_plan, "examples": len(self.examples)}
         counts = self.cfg.data_counts  # data.path's rows, those that train and those max_length cuts
+        attention = self.trainer.attention
         self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
                       target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}),
+                      attention=f"{attention.backend}{' compiled' if attention.compiled else ''}",
+                      attention_reason=attention.reason,
                       **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
         if counts is not None and counts.warning(self.cfg.data):
             self.log.emit("warning", message=counts.warning(self.cfg.data))
-        steps_this_run = 0
+        steps_this_run, first_step = 0, {}
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()
             batch = source.next_batch(stop)
@@ -227,11 +230,15 @@ class DrafterRun:
             result = self.drafters.mean(self.trainer.train_step(**batch))
             steps_this_run += 1
             seconds = time.perf_counter() - started
+            if steps_this_run == 1:  # compilation included: said on the run's first step line
+                first_step = {"first_step_seconds": round(seconds, 3)}
             self.meter.add(result, seconds)
             if result.step % run_cfg.log_every == 0 or result.step == total:
                 # Means over the steps since the last line, not the last step's figures.
                 figures = self.meter.flush()
-                self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures)
+                self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures,
+                              **first_step)
+                first_step = {}
                 self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
             self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9),
                                    self.cfg.data.batch_size * self.cfg.drafters / max(seconds, 1e-9))
