@@ -3,8 +3,9 @@
 One drafter training step (forward, weighted cross entropy on the scored block positions, backward)
 on one packed sequence with random weights and features: H 4096, 32 heads and 8 KV heads of 128,
 MLP 12288, vocabulary 151936, k = 5 target layers, blocks of 16, bf16 autocast over fp32 master
-weights around a bf16 embedding and lm_head (`model.dtype: bfloat16`). The two paths share the
-code the trainer runs (`dflash.training.trainer.scored_loss`):
+weights around a bf16 embedding and lm_head (`model.dtype: bfloat16`), the attention a run uses on the
+device (`dflash.model.flex.choose_attention`: FlexAttention compiled on CUDA, the tiles on CPU). The two
+paths share the code the trainer runs (`dflash.training.trainer.scored_loss`):
 
 - unchunked (`model.loss_chunk_size: null`): the scored positions' `[scored, vocab]` logits at once;
 - chunked (`model.loss_chunk_size`, default 512): `dflash.model.loss.chunked_head_loss`.
@@ -39,6 +40,7 @@ import torch
 from benchmarks.memory import peak_rss_bytes
 from dflash.core.config import DEFAULT_LOSS_CHUNK_SIZE
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.flex import choose_attention
 from dflash.model.loss import build_block_batch, sample_anchors
 from dflash.training.trainer import scored_loss
 
@@ -70,6 +72,9 @@ def build_step(shape: dict, device: torch.device):
     loss_mask = torch.ones(tokens, dtype=torch.int64, device=device)
     positions = torch.arange(tokens, device=device)
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+    # The attention a run uses on this device (FlexAttention compiled on CUDA), at the shape's size.
+    attention = choose_attention("auto", device)
+    padding = dict(context_rows=tokens, query_rows=shape["anchors"] * cfg.block_size)
 
     def step(n_anchors: int):
         anchors = [sample_anchors(loss_mask, cfg.block_size, n_anchors, torch.Generator().manual_seed(1))]
@@ -78,8 +83,8 @@ def build_step(shape: dict, device: torch.device):
         for p in params:
             p.grad = None
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = drafter(features, positions, batch.block_input_ids, batch.block_positions,
-                          batch.sparse_mask)
+            mask = batch.block_mask(attention.backend, compiled=attention.compiled, **padding)
+            out = drafter(features, positions, batch.block_input_ids, batch.block_positions, mask)
             loss, _, _ = scored_loss(drafter, out, batch, batch.weights.sum(), shape["chunk_size"])
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
