@@ -7,9 +7,10 @@ Inputs, all packed (no batch dimension; documents are told apart by the attentio
 - block tokens `[Q]`: for each block, the anchor token then `mask_token_id` x (b-1), embedded with
   the target's frozen embedding; queries come from the block only.
 - positions: the context's and the blocks' positions within their documents, for RoPE.
-- the attention pattern, built by `dflash.model.loss`: a `BlockSparseMask` (ranges per block, what
-  training uses), the dense boolean reference `[Q, T+Q]` (True = may attend), or None (every block
-  query sees every key: one block after the whole context, as in decoding).
+- the attention pattern, built by `dflash.model.loss`: a block pattern with `attend` (what training
+  uses: `dflash.model.flex.FlexBlockMask`, FlexAttention on the device, or the tiles of
+  `dflash.model.attention.BlockSparseMask`), the dense boolean reference `[Q, T+Q]` (True = may
+  attend), or None (every block query sees every key: one block after the whole context, as in decoding).
 - per layer, its type (`DrafterConfig.layer_types`): a `full_attention` layer uses that pattern as
   it is; a `sliding_attention` layer keeps of it only what Hugging Face's sliding window of
   `sliding_window` = W allows (`sliding_window_mask`): a query at position p sees the keys at
@@ -35,7 +36,8 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # as transformers' Qwen3Confi
 
 
 class BlockMask(Protocol):
-    """A block-sparse attention pattern (`dflash.model.attention.BlockSparseMask`)."""
+    """A block-sparse attention pattern (`dflash.model.flex.FlexBlockMask`,
+    `dflash.model.attention.BlockSparseMask`)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor: ...
 
