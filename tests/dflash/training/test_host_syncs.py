@@ -63,6 +63,10 @@ class HostReads:
 
 
 def flex_trainer(target_path, tiny_config, tmp_path, device="cpu", **model):
+    # torch runs even eager flex through torch.compile (its "eager" backend); after other tests' shapes
+    # that graph turns dynamic and reads its sizes with `.item()`. The trainer's compiled flex is
+    # static (`dynamic=False`): start from a fresh compiler, as a run's process does.
+    torch._dynamo.reset()
     model = {"num_draft_layers": 2, "target_path": str(target_path), **model}
     cfg = config_from_dict(tiny_config(tmp_path, model=model, pipeline={"device": device}))
     target = load_target(target_path, "float32").to(device)
