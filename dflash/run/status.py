@@ -6,6 +6,13 @@ A single-process run's `StatusLog` hands it every event the trainer logs; a pipe
 hands it its own events and every worker's lines, which reach it on torchrun's stdout. Nothing else
 writes status.json, so it never says what the log does not (docs/CONTRACTS.md has its fields).
 
+A start in a directory whose status.json names a checkpoint that is still there resumes that run: its
+status.json keeps the old run's step, checkpoint and held-out figures from the first write on, so a start
+that fails while loading (a crash, a corrupt checkpoint) says `failed` with its error and loses none of
+the run it could not resume; `failed` also keeps the boot resume from starting it again
+(module_utils/run_resume.py). A start refused for its config (dflash.training.resume_check) is refused
+before this file is touched.
+
 The run's own process (the single-process trainer, or the launcher) logs without a `worker` field;
 a single-process run names itself `process_worker` in the workers table. The launcher's stop (the
 one event it logs with `"worker": "launcher"`) turns the run and its workers to `stopping`.
@@ -13,6 +20,7 @@ one event it logs with `"worker": "launcher"`) turns the run and its workers to 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,6 +28,7 @@ from dflash.core.runtime import EventLog, StatusFile
 
 LAUNCHER = "launcher"  # the `worker` of the launcher's stop event
 ACTIVE = ("starting", "running")
+RESUMED = ("step", "last_checkpoint", "heldout_loss", "heldout_tau")  # what a resuming start keeps
 
 
 class RunStatus:
@@ -32,6 +41,7 @@ class RunStatus:
         self.stop_signal = "SIGTERM"  # the signal of the launcher's stop event, when it names one
         self.drafters_stop_reason = "completed"  # why the drafters stopped (status.json's stop_reason)
         self.file = StatusFile(output_dir)
+        self.file.fields.update(resumed_fields(self.file.path))
         self._write(state="starting")
 
     def _write(self, **fields) -> None:
@@ -50,7 +60,7 @@ class RunStatus:
         own = "worker" not in record  # a line of the run's own process
         worker = self.process_worker if own else record["worker"]
         if event == "launch":
-            self._write(state="starting", step=0)
+            self._write(state="starting")
         elif event == "restart":
             self.workers = {}
             self._write(state="stopping" if self.stopping else "starting", restarts=record["restart"])
@@ -106,6 +116,19 @@ class RunStatus:
             if worker is not None and worker.startswith("drafter"):
                 self.drafters_stop_reason = record.get("reason") or self.drafters_stop_reason
             self._write()
+
+
+def resumed_fields(path: Path) -> dict:
+    """The fields a start keeps of the run it resumes: those of the status.json at `path` when it names a
+    checkpoint that is still there, else none."""
+    try:
+        old = json.loads(path.read_text())
+        checkpoint = old.get("last_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not checkpoint or not Path(checkpoint).is_dir():
+        return {}
+    return {key: old.get(key) for key in RESUMED}
 
 
 class StatusLog(EventLog):

@@ -96,4 +96,5 @@ def test_a_resumed_run_keeps_the_mask_token_its_checkpoint_was_trained_with(tiny
     assert train(6, mask_token_id=101) == 2  # a configured mask other than the trained one: refused
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and "model.mask_token_id: 101 differs from 100" in status["error"]
+    assert (status["step"], status["last_checkpoint"]) == (4, str(latest_checkpoint(run_dir)))  # kept
     assert trained_mask() == 100

@@ -58,3 +58,25 @@ def test_a_single_process_names_itself_and_stops_with_its_stop_event(tmp_path):
     shown = follow(status, {"event": "start", "step": 0},
                    {"event": "stop", "step": 7, "reason": "signal SIGTERM"})
     assert (shown["state"], shown["step"], shown["workers"]["trainer"]["state"]) == ("stopped", 7, "stopped")
+
+
+
+def test_a_start_that_resumes_keeps_the_old_runs_step_and_checkpoint_even_when_it_fails(tmp_path):
+    checkpoint = tmp_path / "step-00000004"
+    checkpoint.mkdir()
+    follow(RunStatus(tmp_path), {"event": "launch"},
+           {"event": "checkpoint", "worker": "drafter0", "step": 4, "path": str(checkpoint)},
+           {"event": "heldout", "worker": "drafter0", "heldout_loss": 1.5, "heldout_tau": 2.25},
+           {"event": "exit", "returncode": 0})
+
+    status = RunStatus(tmp_path)  # the next start resumes step 4: it shows it while it loads
+    shown = follow(status, {"event": "launch"}, {"event": "worker_start", "worker": "drafter0", "pid": 21})
+    assert (shown["state"], shown["step"], shown["last_checkpoint"]) == ("starting", 4, str(checkpoint))
+    shown = follow(status, {"event": "error", "message": "worker drafter0 (pid 21) failed: boom"},
+                   {"event": "exit", "returncode": 1, "error": "boom"})
+    assert (shown["state"], shown["error"], shown["step"], shown["last_checkpoint"], shown["heldout_tau"]) == \
+        ("failed", "boom", 4, str(checkpoint), 2.25)
+
+    checkpoint.rmdir()  # a status.json whose checkpoint is gone: the start is a run of its own
+    shown = follow(RunStatus(tmp_path), {"event": "launch"})
+    assert (shown["step"], shown["last_checkpoint"], shown["heldout_tau"]) == (0, None, None)

@@ -67,3 +67,24 @@ def test_another_mask_token_than_the_checkpoints_is_refused_before_anything_load
     assert train_main(["--config", config]) == 2
     assert f"model.mask_token_id {trained} -> {other}" in capsys.readouterr().err
     assert (run / "status.json").read_text() == status
+
+
+
+def test_a_start_that_crashes_while_loading_keeps_the_old_runs_step_and_checkpoint(tiny_config, tmp_path, capsys,
+                                                                                 monkeypatch):
+    run, status = first_run(tiny_config, tmp_path, capsys)
+    old = json.loads(status)
+
+    def unreadable(*args, **kwargs):
+        shown = json.loads((run / "status.json").read_text())  # while it loads: the checkpoint it resumes
+        assert (shown["state"], shown["step"], shown["last_checkpoint"]) == ("starting", 2, old["last_checkpoint"])
+        raise RuntimeError("the target's weights are unreadable")
+
+    monkeypatch.setattr("dflash.run.main.load_target", unreadable)
+    config = write_config(tmp_path / "again.yaml", tiny_config(run, optim={"total_steps": 4}))
+    assert train_main(["--config", config]) == 1
+    assert "the target's weights are unreadable" in capsys.readouterr().err
+    shown = json.loads((run / "status.json").read_text())
+    assert (shown["state"], shown["error"]) == ("failed", "RuntimeError: the target's weights are unreadable")
+    assert {k: shown[k] for k in ("step", "last_checkpoint", "heldout_loss", "heldout_tau")} == \
+        {k: old[k] for k in ("step", "last_checkpoint", "heldout_loss", "heldout_tau")}
