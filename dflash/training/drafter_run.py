@@ -232,7 +232,8 @@ class DrafterRun:
             seconds = time.perf_counter() - started
             if steps_this_run == 1:  # compilation included: said on the run's first step line
                 first_step = {"first_step_seconds": round(seconds, 3)}
-            self.meter.add(result, seconds)
+            samples = self.cfg.data.batch_size * self.cfg.drafters  # the global batch's rows
+            self.meter.add(result, seconds, samples)
             if result.step % run_cfg.log_every == 0 or result.step == total:
                 # Means over the steps since the last line, not the last step's figures.
                 figures = self.meter.flush()
@@ -241,7 +242,7 @@ class DrafterRun:
                 first_step = {}
                 self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
             self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9),
-                                   self.cfg.data.batch_size * self.cfg.drafters / max(seconds, 1e-9))
+                                   samples / max(seconds, 1e-9))
             if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
                 self.evaluate_heldout()
             if result.step % run_cfg.save_every == 0:

@@ -41,12 +41,14 @@ class IntervalMeter:
 
     def _reset(self) -> None:
         self.steps, self.loss_sum, self.grad_norm_sum, self.grad_norm_max = 0, 0.0, 0.0, 0.0
-        self.tokens, self.seconds = 0, 0.0
+        self.tokens, self.samples, self.seconds = 0, 0, 0.0
         self.hits: list[int] = []
         self.counts: list[int] = []
 
-    def add(self, result: StepResult, seconds: float) -> None:
+    def add(self, result: StepResult, seconds: float, samples: int = 0) -> None:
+        """One step of `seconds` that trained on `samples` rows (the global batch, every drafter rank's)."""
         self.steps += 1
+        self.samples += samples
         self.loss_sum += result.loss
         self.grad_norm_sum += result.grad_norm
         self.grad_norm_max = max(self.grad_norm_max, result.grad_norm)
@@ -69,6 +71,7 @@ class IntervalMeter:
             "grad_norm": _mean(self.grad_norm_sum, self.steps),
             "grad_norm_max": self.grad_norm_max,
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None,
+            "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds > 0 else None,
             "interval_steps": self.steps,
         }
         self._reset()

@@ -14,7 +14,8 @@ from dflash.core.config import config_from_dict
 from dflash.core.runtime import EventLog
 from dflash.run.main import run_single_process
 from dflash.training.plots import main as plots_main
-from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR, RunTelemetry
+from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR, IntervalMeter, RunTelemetry
+from dflash.training.trainer import StepResult
 
 
 def run_records(raw: dict, capsys) -> list[dict]:
@@ -44,6 +45,7 @@ def test_logged_figures_are_means_over_the_interval(heldout_config, capsys):
         assert line["loss"] == pytest.approx(sum(each[s]["loss"] for s in steps) / 3, rel=1e-6)
         assert line["grad_norm"] == pytest.approx(sum(each[s]["grad_norm"] for s in steps) / 3, rel=1e-6)
         assert line["grad_norm_max"] == pytest.approx(max(each[s]["grad_norm"] for s in steps), rel=1e-6)
+        assert line["samples_per_s"] > 0  # the step line carries it: a pipeline's progress line shows it
     first = each[1]
     # Block size 4: accuracy at draft positions 1..3, each a fraction; the overall one lies among them.
     assert len(first["accuracy_by_position"]) == 3
@@ -105,6 +107,16 @@ def test_without_tensorboard_the_run_warns_once_and_keeps_metrics(heldout_config
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+
+def test_the_interval_s_throughput_is_its_rows_and_tokens_over_its_seconds():
+    meter = IntervalMeter()
+    for step, seconds in ((1, 1.5), (2, 2.5)):  # 2 steps of a global batch of 8 rows, 100 tokens each
+        meter.add(StepResult(step=step, loss=1.0, accuracy=0.5, lr=1e-3, num_tokens=100, num_blocks=4,
+                             grad_norm=1.0, position_hits=[0, 1], position_counts=[0, 2]), seconds, samples=8)
+    figures = meter.flush()
+    assert (figures["samples_per_s"], figures["tokens_per_s"], figures["interval_steps"]) == (4.0, 50.0, 2)
 
 
 def test_progress_line_shows_step_total_and_an_eta(monkeypatch):
