@@ -247,6 +247,11 @@ def count_examples(path: str | Path, max_length: int, min_loss_tokens: int | Non
         except (ValueError, KeyError, TypeError):
             return True
 
+    from dflash.data.token_store import fresh_store
+
+    store = fresh_store(path) if Path(path).is_file() else None
+    if store is not None:  # the rows the trainer reads (dflash.data.examples.training_examples)
+        return int(store.kept_rows(max_length, min_loss_tokens).size)
     try:
         with Path(path).open() as f:
             return sum(1 for line in f if line.strip() and kept(line))

@@ -1,10 +1,11 @@
-"""`python -m dflash.data COMMAND ...`: the data commands (today one: `regenerate`)."""
+"""`python -m dflash.data COMMAND ...`: the data commands (`regenerate`, `pack`)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"regenerate": "answer a prompt set with the target: the training JSON lines (see --help)"}
+COMMANDS = {"regenerate": "answer a prompt set with the target: the training JSON lines (see --help)",
+            "pack": "write the training JSON lines' token store, which ranks read in place (see --help)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"{usage}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
         return 2
+    if argv[0] == "pack":
+        from dflash.data.token_store import main as pack_main
+
+        return pack_main(argv[1:])
     from dflash.data.regenerate import main as regenerate_main
 
     return regenerate_main(argv[1:])

@@ -1,11 +1,14 @@
 """Training data: JSON lines of `{"input_ids": [...], "loss_mask": [...]}`, a resumable batch
 order, and collation to a right-padded batch for the target.
 
-`python -m dflash.data regenerate ...` builds such a file from a prompt set (`dflash.data.regenerate`)."""
+`python -m dflash.data regenerate ...` builds such a file from a prompt set (`dflash.data.regenerate`);
+`python -m dflash.data pack ...` writes its token store, which every rank then memory-maps
+(`dflash.data.token_store`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ class Example:
     loss_mask: torch.Tensor  # [S] int64, 1 on response tokens
 
 
-def _parse_line(line: str, where: str, max_length: int) -> Example:
+def _parse_row(line: str, where: str) -> tuple[list[int], list[int]]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -34,8 +37,30 @@ def _parse_line(line: str, where: str, max_length: int) -> Example:
         raise DataError(f"{where}: input_ids and loss_mask must be non-empty lists of equal length")
     if not all(isinstance(t, int) and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
         raise DataError(f"{where}: input_ids must be non-negative ints and loss_mask 0/1")
-    return Example(torch.tensor(ids[:max_length], dtype=torch.int64),
-                   torch.tensor(mask[:max_length], dtype=torch.int64))
+    return ids, mask
+
+
+def _data_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.path: no data file at {path}")
+    return path
+
+
+def iter_rows(path: str | Path):
+    """(input_ids, loss_mask) of every non-blank line of the JSON-lines file at `path`, whole and checked
+    (a DataError names the line)."""
+    path = _data_file(path)
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                yield _parse_row(line, f"{path}:{line_no}")
+
+
+def _no_examples(path, min_loss_tokens, dropped) -> DataError:
+    short = f" with {min_loss_tokens} loss tokens or more (data.min_loss_tokens; {dropped} fewer)" \
+        if dropped else ""
+    return DataError(f"data.path: {path} holds no examples{short}")
 
 
 def load_examples(path: str | Path, max_length: int, vocab_size: int | None = None,
@@ -43,14 +68,14 @@ def load_examples(path: str | Path, max_length: int, vocab_size: int | None = No
     """Every line of the JSON-lines file at `path`, truncated to `max_length` tokens; with
     `min_loss_tokens`, less the examples that keep fewer loss tokens than that (SpecForge's filter,
     counted after the truncation as SpecForge counts them)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.path: no data file at {path}")
+    path = _data_file(path)
     examples, dropped = [], 0
     with path.open() as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                example = _parse_line(line, f"{path}:{line_no}", max_length)
+                ids, mask = _parse_row(line, f"{path}:{line_no}")
+                example = Example(torch.tensor(ids[:max_length], dtype=torch.int64),
+                                  torch.tensor(mask[:max_length], dtype=torch.int64))
                 if vocab_size is not None and int(example.input_ids.max()) >= vocab_size:
                     raise DataError(f"{path}:{line_no}: token id {int(example.input_ids.max())} is outside "
                                     f"the target's vocabulary ({vocab_size})")
@@ -59,15 +84,38 @@ def load_examples(path: str | Path, max_length: int, vocab_size: int | None = No
                     continue
                 examples.append(example)
     if not examples:
-        short = f" with {min_loss_tokens} loss tokens or more (data.min_loss_tokens; {dropped} fewer)" \
-            if dropped else ""
-        raise DataError(f"data.path: {path} holds no examples{short}")
+        raise _no_examples(path, min_loss_tokens, dropped)
     return examples
 
 
-def training_examples(data, vocab_size: int | None = None) -> list[Example]:
-    """The training examples a config's `data` section names: `load_examples` of data.path with its
-    max_length and min_loss_tokens."""
+def stored_examples(path: str | Path, store, max_length: int, vocab_size: int | None = None,
+                    min_loss_tokens: int | None = None) -> Sequence[Example]:
+    """`load_examples` of `path` read from its token store (dflash.data.token_store): the same rows in the
+    same order, each read from the mapping when a batch asks for it."""
+    from dflash.data.token_store import StoredExamples
+
+    examples = StoredExamples(store, max_length, min_loss_tokens)
+    if vocab_size is not None and store.manifest["max_token_id"] >= vocab_size:
+        for i in range(len(examples)):  # the store's largest id may lie beyond max_length: find a kept one
+            largest = int(examples[i].input_ids.max())
+            if largest >= vocab_size:
+                row = int(examples.rows[i]) + 1
+                raise DataError(f"{path} (its token store, row {row}): token id {largest} is outside "
+                                f"the target's vocabulary ({vocab_size})")
+    if not len(examples):
+        raise _no_examples(path, min_loss_tokens, len(store))
+    return examples
+
+
+def training_examples(data, vocab_size: int | None = None) -> Sequence[Example]:
+    """The training examples a config's `data` section names: those of data.path with its max_length and
+    min_loss_tokens, memory-mapped from its token store when a fresh one lies beside it
+    (`python -m dflash.data pack`), parsed from the JSON lines otherwise."""
+    from dflash.data.token_store import fresh_store
+
+    store = fresh_store(_data_file(data.path))
+    if store is not None:
+        return stored_examples(data.path, store, data.max_length, vocab_size, data.min_loss_tokens)
     return load_examples(data.path, data.max_length, vocab_size, data.min_loss_tokens)
 
 

@@ -57,6 +57,12 @@ from dflash.training.trainer import (
 )
 
 
+def data_store(examples) -> str | None:
+    """The token store the run reads its rows from (dflash.data.token_store), None for parsed JSON lines."""
+    store = getattr(examples, "store", None)
+    return None if store is None else str(store.path)
+
+
 def heldout_examples(cfg: TrainConfig, vocab_size: int) -> list:
     """The held-out examples a run evaluates: the first `data.eval_examples` of `data.eval_path`."""
     return load_examples(cfg.data.eval_path, cfg.data.max_length, vocab_size)[: cfg.data.eval_examples]
@@ -216,7 +222,7 @@ class DrafterRun:
         self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
                       target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}),
                       attention=f"{attention.backend}{' compiled' if attention.compiled else ''}",
-                      attention_reason=attention.reason,
+                      attention_reason=attention.reason, data_store=data_store(self.examples),
                       **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
         if counts is not None and counts.warning(self.cfg.data):
             self.log.emit("warning", message=counts.warning(self.cfg.data))

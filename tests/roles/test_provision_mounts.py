@@ -96,7 +96,8 @@ def test_a_changed_mount_is_reported_then_reconciled(fleet):
     res = provision(fleet, changed)
     assert res.rc == 0 and res.stats[HOST]["changed"] == 0, res
     diffs = {d["key"]: d for d in res.results(CREATE_TASK)[HOST]["differences"]}
-    assert diffs["mp0"]["want"] == f"{fleet.node_dir}/models,mp=/srv/models,replicate=0" and not diffs["mp0"]["applied"]
+    assert diffs["mp0"]["want"] == f"{fleet.node_dir}/models,mp=/srv/models,replicate=0"
+    assert not diffs["mp0"]["applied"]
     assert diffs["mp1"]["want"] == f"{fleet.node_dir}/cache,mp=/srv/features,replicate=0", diffs
     assert "differs from the inventory and was left as it is: mp0:" in res.stdout
     assert config_lines(fleet) == before

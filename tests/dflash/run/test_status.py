@@ -74,8 +74,8 @@ def test_a_start_that_resumes_keeps_the_old_runs_step_and_checkpoint_even_when_i
     assert (shown["state"], shown["step"], shown["last_checkpoint"]) == ("starting", 4, str(checkpoint))
     shown = follow(status, {"event": "error", "message": "worker drafter0 (pid 21) failed: boom"},
                    {"event": "exit", "returncode": 1, "error": "boom"})
-    assert (shown["state"], shown["error"], shown["step"], shown["last_checkpoint"], shown["heldout_tau"]) == \
-        ("failed", "boom", 4, str(checkpoint), 2.25)
+    assert (shown["state"], shown["error"], shown["step"]) == ("failed", "boom", 4)
+    assert (shown["last_checkpoint"], shown["heldout_tau"]) == (str(checkpoint), 2.25)
 
     checkpoint.rmdir()  # a status.json whose checkpoint is gone: the start is a run of its own
     shown = follow(RunStatus(tmp_path), {"event": "launch"})

@@ -70,14 +70,15 @@ def test_another_mask_token_than_the_checkpoints_is_refused_before_anything_load
 
 
 
-def test_a_start_that_crashes_while_loading_keeps_the_old_runs_step_and_checkpoint(tiny_config, tmp_path, capsys,
-                                                                                 monkeypatch):
+def test_a_start_that_crashes_while_loading_keeps_the_old_runs_step_and_checkpoint(tiny_config, tmp_path,
+                                                                                 capsys, monkeypatch):
     run, status = first_run(tiny_config, tmp_path, capsys)
     old = json.loads(status)
 
     def unreadable(*args, **kwargs):
         shown = json.loads((run / "status.json").read_text())  # while it loads: the checkpoint it resumes
-        assert (shown["state"], shown["step"], shown["last_checkpoint"]) == ("starting", 2, old["last_checkpoint"])
+        assert (shown["state"], shown["step"]) == ("starting", 2)
+        assert shown["last_checkpoint"] == old["last_checkpoint"]
         raise RuntimeError("the target's weights are unreadable")
 
     monkeypatch.setattr("dflash.run.main.load_target", unreadable)
