@@ -27,6 +27,7 @@ from dflash.core.cli import add_config_arguments, parse_config_command
 from dflash.core.config import SECTIONS, ConfigError, TrainConfig, load_config
 from dflash.core.sections import type_name
 from dflash.data.data_manifest import check_thinking_mode
+from dflash.run import balance
 from dflash.training import memory_fit
 
 NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         cuda = check_cuda_build(cfg, machine=not args.no_target_check)
         fit = check_memory(cfg, gpu_memory(cfg, args.gpu_memory, machine=not args.no_target_check),
                            terms=args.memory_terms)
+        split = None if args.no_target_check else balance.predicted_advice(cfg, memory_fit.TargetShape.read(
+            cfg.model.target_path))
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key, "message": exc.message,
@@ -176,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                           **({"overrides": overrides} if overrides else {}),
                           **({"memory": fit} if fit else {}), **({"cuda": cuda} if cuda else {}),
                           **({"data": counts.as_fields()} if counts else {}),
+                          **({"split": split.fields(*split.waits(), "FLOP")} if split else {}),
                           **({"warning": warning} if warning else {})}))
     else:
         if warning:
             print(f"warning: {args.config}: {warning}", file=sys.stderr)
         line, _, terms = (fit or "").partition("\n")
         print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else "")
-              + (f"\n{cuda}" if cuda else ""))
+              + (f"\n{cuda}" if cuda else "")
+              + (f"\n{balance.predicted_line(split)}" if split else ""))
     return 0
 
 

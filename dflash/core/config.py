@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash.core import token_store
 from dflash.core.devices import visible_devices
 from dflash.core.mask_token import mask_token_problem
 from dflash.core.safe_paths import output_dir_problem
@@ -247,9 +248,7 @@ def count_examples(path: str | Path, max_length: int, min_loss_tokens: int | Non
         except (ValueError, KeyError, TypeError):
             return True
 
-    from dflash.data.token_store import fresh_store
-
-    store = fresh_store(path) if Path(path).is_file() else None
+    store = token_store.fresh_store(path) if Path(path).is_file() else None
     if store is not None:  # the rows the trainer reads (dflash.data.examples.training_examples)
         return int(store.kept_rows(max_length, min_loss_tokens).size)
     try:

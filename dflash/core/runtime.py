@@ -103,7 +103,8 @@ class StatusFile:
         self.fields = {"state": "starting", "step": 0, "loss": None, "accuracy": None, "tokens_per_s": None,
                        "heldout_loss": None, "heldout_tau": None, "last_checkpoint": None,
                        "pid": os.getpid(), "restarts": 0, "error": None, "workers": workers or {},
-                       "checkpoint_error": None, "log_error": None, "stop_reason": None}
+                       "checkpoint_error": None, "log_error": None, "stop_reason": None,
+                       "balance": None}
 
     def update(self, **fields) -> None:
         unknown = set(fields) - set(self.fields)

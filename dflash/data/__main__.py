@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{usage}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
         return 2
     if argv[0] == "pack":
-        from dflash.data.token_store import main as pack_main
+        from dflash.data.pack import main as pack_main
 
         return pack_main(argv[1:])
     from dflash.data.regenerate import main as regenerate_main

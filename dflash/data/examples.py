@@ -3,7 +3,7 @@ order, and collation to a right-padded batch for the target.
 
 `python -m dflash.data regenerate ...` builds such a file from a prompt set (`dflash.data.regenerate`);
 `python -m dflash.data pack ...` writes its token store, which every rank then memory-maps
-(`dflash.data.token_store`)."""
+(`dflash.data.pack`, `dflash.core.token_store`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from dflash.core.token_store import TokenStore, fresh_store
 
 
 class DataError(ValueError):
@@ -88,12 +91,28 @@ def load_examples(path: str | Path, max_length: int, vocab_size: int | None = No
     return examples
 
 
+class StoredExamples(Sequence):
+    """The examples of a token store as `load_examples` returns them (same rows, truncation, filter and
+    order), each read from the store when a batch asks for it."""
+
+    def __init__(self, store: TokenStore, max_length: int, min_loss_tokens: int | None = None):
+        self.store, self.max_length = store, max_length
+        self.rows = store.kept_rows(max_length, min_loss_tokens)
+
+    def __len__(self) -> int:
+        return self.rows.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        ids, mask = self.store.row(int(self.rows[i]), self.max_length)
+        return Example(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64)))
+
+
 def stored_examples(path: str | Path, store, max_length: int, vocab_size: int | None = None,
                     min_loss_tokens: int | None = None) -> Sequence[Example]:
-    """`load_examples` of `path` read from its token store (dflash.data.token_store): the same rows in the
+    """`load_examples` of `path` read from its token store (dflash.core.token_store): the same rows in the
     same order, each read from the mapping when a batch asks for it."""
-    from dflash.data.token_store import StoredExamples
-
     examples = StoredExamples(store, max_length, min_loss_tokens)
     if vocab_size is not None and store.manifest["max_token_id"] >= vocab_size:
         for i in range(len(examples)):  # the store's largest id may lie beyond max_length: find a kept one
@@ -111,8 +130,6 @@ def training_examples(data, vocab_size: int | None = None) -> Sequence[Example]:
     """The training examples a config's `data` section names: those of data.path with its max_length and
     min_loss_tokens, memory-mapped from its token store when a fresh one lies beside it
     (`python -m dflash.data pack`), parsed from the JSON lines otherwise."""
-    from dflash.data.token_store import fresh_store
-
     store = fresh_store(_data_file(data.path))
     if store is not None:
         return stored_examples(data.path, store, data.max_length, vocab_size, data.min_loss_tokens)

@@ -50,6 +50,7 @@ from dflash.core.config import ConfigError, PipelineConfig, TrainConfig
 from dflash.core.devices import visible_devices
 from dflash.core.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
 from dflash.data.feature_cache import check_cache
+from dflash.run.balance import MeasuredWaits
 from dflash.run.ranks import first_rank, rank_table
 from dflash.run.status import LAUNCHER, RunStatus, StatusLog
 
@@ -187,6 +188,8 @@ class Launcher:
         self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
         self.specs = plan_workers(cfg.pipeline, len(self.devices))
         self.status = RunStatus(cfg.run.output_dir)
+        roles = [s.role for s in self.specs]  # this container's workers: the split it can change
+        self.waits = MeasuredWaits(roles.count("target"), roles.count("drafter"))
         self.log = StatusLog(cfg.total_steps, self.status)
         self.lock = threading.RLock()
         self.workers: dict[str, Worker] = {}  # the current start's workers, by name
@@ -219,9 +222,13 @@ class Launcher:
     def _on_event(self, record: dict) -> None:
         event, worker = record["event"], self.workers.get(record.get("worker"))
         self.log.note(record)
+        self.waits.follow(record)
         if event == "step":
             self.log.show_progress(record["step"], record["loss"], record.get("tokens_per_s") or 0.0,
                                    record.get("samples_per_s"))
+            balance = self.waits.advice()
+            if balance is not None:  # every log interval: who waits, and the split the waits call for
+                self.emit("balance", **balance)
         if worker is None:
             return
         if event == "stop" and worker.spec.role == "drafter":

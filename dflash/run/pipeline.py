@@ -37,6 +37,7 @@ import argparse
 import os
 import signal as signal_module
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,7 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
     log.emit("start", pid=os.getpid(), batches=len(mine), first_batch=first, device=str(device))
     reason = "completed"
     sent = 0
+    waits = TargetWaits(log, cfg.run.log_every)
     for index in range(first, end):
         indices = order.next_batch()  # every batch advances the order, computed here or not
         if schedule.target_rank(index) != ctx.rank:
@@ -281,12 +283,45 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
             send_end_markers(schedule, ctx.rank, index, end, device)
             break
         maybe_inject_failure(ctx, sent + 1)
+        computing = time.perf_counter()
         features = step_features(target, [examples[i] for i in indices], layer_ids,
                                  cfg.model.target_rows_per_pass, device)
+        if device.type == "cuda":  # the forward's own time, not its launch's: the send needs it done anyway
+            torch.cuda.synchronize(device)
+        sending = time.perf_counter()
         send_batch(schedule.drafter_ranks[schedule.drafter_role_rank(index)], index, **features)
         sent += 1
+        waits.add(sending - computing, time.perf_counter() - sending)
+    waits.flush()
     log.emit("stop", batches_sent=sent, reason=reason)
     return reason
+
+
+class TargetWaits:
+    """A target's time over each `every` batches it sends: computing them, blocked sending them (the
+    drafter's queue is full) and the rest (waiting to be asked for the next), as a `waits` line
+    (`batches, compute_s, send_s, wall_s`) that the launcher turns into the run's balance
+    (dflash.run.balance)."""
+
+    def __init__(self, log: EventLog, every: int):
+        self.log, self.every = log, max(1, every)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.batches, self.compute, self.send, self.since = 0, 0.0, 0.0, time.perf_counter()
+
+    def add(self, compute_s: float, send_s: float) -> None:
+        self.batches += 1
+        self.compute += compute_s
+        self.send += send_s
+        if self.batches >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.batches:
+            self.log.emit("waits", batches=self.batches, compute_s=round(self.compute, 4),
+                          send_s=round(self.send, 4), wall_s=round(time.perf_counter() - self.since, 4))
+        self._reset()
 
 
 # --- entry point ---------------------------------------------------------------------------------

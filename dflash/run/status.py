@@ -74,6 +74,9 @@ class RunStatus:
         elif event == "step":
             self._write(state=self._active(), **{k: record.get(k) for k in ("step", "loss", "accuracy",
                                                                              "tokens_per_s")})
+        elif event == "balance":
+            self._write(balance={k: record.get(k) for k in ("target_wait", "drafter_wait", "bound", "split",
+                                                             "best_split", "gain", "advice")})
         elif event == "heldout":
             self._write(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
         elif event in ("checkpoint", "resume"):

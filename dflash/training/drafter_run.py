@@ -58,7 +58,7 @@ from dflash.training.trainer import (
 
 
 def data_store(examples) -> str | None:
-    """The token store the run reads its rows from (dflash.data.token_store), None for parsed JSON lines."""
+    """The token store the run reads its rows from (dflash.core.token_store), None for parsed JSON lines."""
     store = getattr(examples, "store", None)
     return None if store is None else str(store.path)
 
@@ -230,6 +230,7 @@ class DrafterRun:
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()
             batch = source.next_batch(stop)
+            waited = time.perf_counter() - started  # for its batch: the target's features, the drafters' vote
             if batch is None:
                 reason = source.stop_reason
                 break
@@ -239,7 +240,7 @@ class DrafterRun:
             if steps_this_run == 1:  # compilation included: said on the run's first step line
                 first_step = {"first_step_seconds": round(seconds, 3)}
             samples = self.cfg.data.batch_size * self.cfg.drafters  # the global batch's rows
-            self.meter.add(result, seconds, samples)
+            self.meter.add(result, seconds, samples, waited)
             if result.step % run_cfg.log_every == 0 or result.step == total:
                 # Means over the steps since the last line, not the last step's figures.
                 figures = self.meter.flush()

@@ -41,14 +41,16 @@ class IntervalMeter:
 
     def _reset(self) -> None:
         self.steps, self.loss_sum, self.grad_norm_sum, self.grad_norm_max = 0, 0.0, 0.0, 0.0
-        self.tokens, self.samples, self.seconds = 0, 0, 0.0
+        self.tokens, self.samples, self.seconds, self.waited = 0, 0, 0.0, 0.0
         self.hits: list[int] = []
         self.counts: list[int] = []
 
-    def add(self, result: StepResult, seconds: float, samples: int = 0) -> None:
-        """One step of `seconds` that trained on `samples` rows (the global batch, every drafter rank's)."""
+    def add(self, result: StepResult, seconds: float, samples: int = 0, waited: float = 0.0) -> None:
+        """One step of `seconds` that trained on `samples` rows (the global batch, every drafter rank's),
+        `waited` of them spent waiting for its batch."""
         self.steps += 1
         self.samples += samples
+        self.waited += waited
         self.loss_sum += result.loss
         self.grad_norm_sum += result.grad_norm
         self.grad_norm_max = max(self.grad_norm_max, result.grad_norm)
@@ -72,6 +74,9 @@ class IntervalMeter:
             "grad_norm_max": self.grad_norm_max,
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None,
             "samples_per_s": round(self.samples / self.seconds, 2) if self.seconds > 0 else None,
+            # This rank's wait for its batches (the target's features) and its own work, over the interval.
+            "wait_fraction": round(self.waited / self.seconds, 4) if self.seconds > 0 else None,
+            "busy_s": round(self.seconds - self.waited, 4),
             "interval_steps": self.steps,
         }
         self._reset()

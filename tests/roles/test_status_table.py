@@ -85,3 +85,13 @@ def test_a_run_its_container_s_boot_started_again_says_so_and_one_it_did_not_say
     assert said in lines
     stopped = {**report("stopped", False, {"state": "stopped"}), "boot": {"outcome": "stopped", "msg": "x"}}
     assert [line for line in render(stopped)[2:] if line.strip()] == []
+
+
+def test_a_running_pipeline_shows_its_balance_and_a_stopped_one_does_not():
+    advice = ("targets wait 64%, drafters wait 1%: drafter-bound; 3 targets : 5 drafters of the 8 workers "
+              "would train 1.67x as fast as 5:3 (a batch costs a target 0.41 s, a drafter 1.12 s)")
+    progress = {"state": "running", "step": 40, "balance": {"bound": "drafter-bound", "advice": advice}}
+    lines = [line.strip() for line in render(report("running", False, progress))]
+    assert lines[2:] == [f"balance: {advice}"]
+    lines = [line.strip() for line in render(report("stopped", False, {**progress, "state": "stopped"}))]
+    assert lines[2:] == []

@@ -1,6 +1,6 @@
-"""The token store (dflash.data.token_store): the same rows as the JSON lines, in the same order, under every
-truncation and filter; used only while it is fresh; written whole or not at all; and read in place, so that
-a rank's memory does not grow with the data set."""
+"""The token store (dflash.core.token_store, dflash.data.pack): the same rows as the JSON lines, in the
+same order, under every truncation and filter; used only while it is fresh; written whole or not at all;
+and read in place, so that a rank's memory does not grow with the data set."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import torch
 import yaml
 
 from dflash.core.config import count_examples
+from dflash.core.token_store import StoreWriter, fresh_store, store_path
 from dflash.data.__main__ import main as data_main
 from dflash.data.examples import DataError, load_examples, training_examples
-from dflash.data.token_store import StoreWriter, fresh_store, pack, store_path
+from dflash.data.pack import pack
 from dflash.run.main import main as train_main
 from tests.dflash.conftest import write_dataset
 
@@ -132,7 +133,8 @@ def test_a_ranks_memory_stays_flat_over_a_million_rows(tmp_path):
 import json, resource, sys
 import numpy as np, torch
 from dflash.data.examples import BatchOrder, collate
-from dflash.data.token_store import StoredExamples, TokenStore
+from dflash.core.token_store import TokenStore
+from dflash.data.examples import StoredExamples
 
 def rss_mb():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

@@ -57,9 +57,9 @@ def test_the_qwen3_8b_recipe_is_valid_apart_from_its_target_and_data():
     assert (m.num_draft_layers, m.block_size, m.dtype, m.loss_chunk_size) == (5, 16, "bfloat16", 512)
     assert (d.max_length, d.max_anchors, d.batch_size) == (3072, 512, 8)
     assert (o.lr, o.warmup_ratio, o.epochs, o.total_steps, cfg.gamma) == (6e-4, 0.04, 6, None, 7.0)
-    assert (p.device, p.target_gpus, p.drafter_gpus) == ("cuda", [0, 1, 2, 3, 4], [5, 6, 7])
-    assert cfg.drafters == 3
-    assert with_examples(cfg, 800_000).total_steps == 200_000  # 6 x 800000 / (8 x 3)
+    assert (p.device, p.target_gpus, p.drafter_gpus) == ("cuda", [0, 1, 2], [3, 4, 5, 6, 7])
+    assert cfg.drafters == 5
+    assert with_examples(cfg, 800_000).total_steps == 120_000  # 6 x 800000 / (8 x 5)
 
 
 def test_epochs_count_as_the_decimal_written():

@@ -1,6 +1,6 @@
 """The training data as a token store: written once beside the JSON lines, read in place by every rank.
 
-`python -m dflash.data pack DATA.jsonl` writes `DATA.jsonl.tokens/`:
+`python -m dflash.data pack DATA.jsonl` writes `DATA.jsonl.tokens/` (dflash.data.pack, through `StoreWriter`):
 
 - `input_ids.i32`: every row's tokens, one flat little-endian int32 array (a vocabulary up to 2^31);
 - `loss_mask.u8`: the rows' loss masks, one flat uint8 array of the same length;
@@ -18,9 +18,10 @@ kept rows), not the data: at the recipe's 800K rows of ~1,500 tokens the JSON-pa
 rank (int64 tensors) where the store costs ~16 MB, and the ~6 GB of tokens and masks in the page cache
 are shared.
 
-`training_examples` (dflash.data.examples) uses the store when it is fresh (its manifest's size and mtime
-are the JSON-lines file's), and parses the JSON lines otherwise: the rows, their truncation to
-data.max_length, the data.min_loss_tokens filter and their order are the same either way.
+`training_examples` (dflash.data.examples, as `StoredExamples`) uses the store when it is fresh (its
+manifest's size and mtime are the JSON-lines file's), and parses the JSON lines otherwise: the rows,
+their truncation to data.max_length, the data.min_loss_tokens filter and their order are the same either
+way. This module is the format alone (numpy, no torch): the config's example count reads it too.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -160,28 +160,6 @@ class TokenStore:
         return np.flatnonzero(counts >= min_loss_tokens).astype(np.int64)
 
 
-class StoredExamples(Sequence):
-    """The examples of a token store as `load_examples` returns them (same rows, truncation, filter and
-    order), each read from the mapping when it is asked for."""
-
-    def __init__(self, store: TokenStore, max_length: int, min_loss_tokens: int | None = None):
-        self.store, self.max_length = store, max_length
-        self.rows = store.kept_rows(max_length, min_loss_tokens)
-
-    def __len__(self) -> int:
-        return self.rows.size
-
-    def __getitem__(self, i):
-        import torch
-
-        from dflash.data.examples import Example
-
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        ids, mask = self.store.row(int(self.rows[i]), self.max_length)
-        return Example(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64)))
-
-
 def fresh_store(data_path: str | Path) -> TokenStore | None:
     """The store beside `data_path` when it was written from the file as it is now, else None."""
     path = store_path(data_path)
@@ -192,48 +170,3 @@ def fresh_store(data_path: str | Path) -> TokenStore | None:
         return TokenStore(path)
     except (OSError, ValueError):
         return None
-
-
-def pack(data_path: str | Path, rows: Iterable[tuple[list, list]] | None = None, progress_every: int = 0,
-         out=sys.stderr) -> Path:
-    """Write the store of the JSON-lines file `data_path` beside it, from its rows as
-    `dflash.data.examples.iter_rows` reads and checks them (a DataError names a bad line)."""
-    from dflash.data.examples import iter_rows
-
-    source = source_identity(data_path)
-    writer = StoreWriter(store_path(data_path), source)
-    try:
-        for n, (ids, mask) in enumerate(rows if rows is not None else iter_rows(data_path), start=1):
-            writer.add(ids, mask)
-            if progress_every and n % progress_every == 0:
-                print(f"pack: {n:,} rows, {writer.tokens:,} tokens", file=out, flush=True)
-        if source != source_identity(data_path):
-            raise ValueError(f"{data_path} changed while it was packed: pack it again")
-        return writer.finish()
-    except BaseException:
-        shutil.rmtree(writer.tmp, ignore_errors=True)
-        raise
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from dflash.data.examples import DataError
-
-    parser = argparse.ArgumentParser(
-        prog="python -m dflash.data pack",
-        description="Write the token store of a training JSON-lines file beside it (<DATA>.tokens/): every "
-                    "rank then reads only its own rows in place, instead of parsing the whole file. "
-                    "Pack again after the file changes (a stale store is not used).")
-    parser.add_argument("data", help="the training JSON lines (data.path)")
-    parser.add_argument("--progress-every", type=int, default=100_000, metavar="ROWS",
-                        help="a progress line on stderr every ROWS rows (0: none; default %(default)s)")
-    args = parser.parse_args(argv)
-    try:
-        path = pack(args.data, progress_every=args.progress_every)
-    except (DataError, ValueError, OSError) as exc:
-        print(f"dflash.data pack: {exc}", file=sys.stderr)
-        return 2
-    manifest = json.loads((path / MANIFEST).read_text())
-    print(f"dflash.data pack: {manifest['rows']:,} rows, {manifest['tokens']:,} tokens -> {path}")
-    return 0

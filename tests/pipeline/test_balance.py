@@ -1,0 +1,72 @@
+"""The pipeline measures its ranks' waits and advises its split (dflash.run.balance): a CPU pipeline made
+slow on one side, by its shapes alone, is found bound by that side, with the split that moves a worker
+to it; the validation predicts the split from the shapes, and the recipe's split is the one it advises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.config import main as config_main
+from dflash.core.config import load_config
+from dflash.run.balance import Advice, best_split, predicted_advice, predicted_costs
+from dflash.training.memory_fit import TargetShape
+from tests.dflash.conftest import make_tiny_target
+
+QWEN3_8B = TargetShape(num_layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, tied=False)
+
+
+def test_the_recipe_costs_what_the_shapes_say_and_its_split_is_the_balanced_one():
+    cfg = load_config("configs/qwen3-8b.yaml", check_target=False)
+    target, drafter = predicted_costs(cfg, QWEN3_8B)
+    # 34 target layers over 3,072 tokens; 5 drafter layers over 8,192 queries, and the head over 7,680 rows.
+    assert round(target / 1e12) == 43 and round(drafter / 1e12) == 72
+    assert best_split(8, target, drafter) == (3, 5)
+    advice = predicted_advice(cfg, QWEN3_8B)
+    assert (advice.targets, advice.drafters, advice.best) == (3, 5, (3, 5))
+    seeds = Advice(5, 3, target, drafter)  # the seeds' 5:3: the targets wait, 3:5 trains 1.67x as fast
+    assert seeds.best == (3, 5) and seeds.gain == pytest.approx(1.67, abs=0.01)
+    assert seeds.waits()[0] == pytest.approx(0.64, abs=0.01) and seeds.waits()[1] == 0
+
+
+def test_validate_prints_the_predicted_split(write_config, capsys):
+    config = write_config("split", pipeline={"target_workers": 2, "drafter_workers": 1})
+    assert config_main(["validate", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "split (predicted from the shapes): targets wait" in out
+    assert config_main(["validate", str(config), "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)["split"]
+    assert split["split"] == [2, 1] and split["best_split"] in ([1, 2], [2, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow_side", ["drafter", "target"])
+def test_an_unbalanced_pipeline_says_which_side_binds_and_the_split_to_use(write_config, start_run, demo_dir,
+                                                                          tmp_path, slow_side):
+    if slow_side == "drafter":  # a cheap target; a drafter of 4 layers over 64 anchors of 8 a row
+        sections = {"model": {"num_draft_layers": 4}, "data": {"max_anchors": 56},
+                    "pipeline": {"target_workers": 2, "drafter_workers": 1}}
+        expected = ("drafter-bound", [1, 2])
+    else:  # a 12-layer target 4x wider than the demo's; a drafter of 1 layer over 2 anchors a row
+        target = make_tiny_target(tmp_path / "wide-target", vocab_size=384, hidden_size=256,
+                                  intermediate_size=1024, num_hidden_layers=12, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+        sections = {"model": {"target_path": str(target), "target_layer_ids": [10]},
+                    "data": {"max_anchors": 2},
+                    "pipeline": {"target_workers": 1, "drafter_workers": 2}}
+        expected = ("target-bound", [2, 1])
+    sections["pipeline"].update(threads_per_worker=1, queue_depth=2)
+    sections["data"]["eval_path"] = None
+    config = write_config(f"slow-{slow_side}", optim={"total_steps": 16}, **sections)
+    run = start_run(config)
+    assert run.wait(timeout=300) == 0, run.log_path.read_text()[-3000:]
+    lines = [e for e in run.events() if e["event"] == "balance"]
+    assert lines, run.log_path.read_text()[-3000:]
+    last = run.status()["balance"]
+    assert (last["bound"], last["best_split"]) == expected, lines[-3:]
+    print(last["advice"])
+    assert last["advice"] == lines[-1]["advice"] and last["gain"] > 1
+    waits = [e for e in run.events() if e["event"] == "waits"]
+    assert waits and all(e["worker"].startswith("target") and e["compute_s"] > 0 for e in waits)
