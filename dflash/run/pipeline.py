@@ -64,7 +64,7 @@ from dflash.run.ranks import BatchSchedule, first_rank, member_leader, rank_tabl
 from dflash.run.transport import FEED_DONE, BatchFeed, recv_batch, send_batch, send_end_markers
 from dflash.training.checkpoint import list_checkpoints
 from dflash.training.drafter_run import DrafterRun, heldout_examples, latest_to_resume
-from dflash.training.heldout import heldout_documents
+from dflash.training.heldout import NO_HELDOUT_DOCUMENTS, heldout_documents
 from dflash.training.trainer import StepResult, reduce_step, resolve_layer_ids
 
 # A test knob: "<worker name>:<n>" makes that worker raise at its n-th batch (target) or step (drafter).
@@ -201,6 +201,34 @@ class FedBatches:
 HELDOUT_INDEX = -1  # the batch index of the held-out features target rank 0 sends drafter 0
 
 
+def send_heldout(cfg: TrainConfig, target, layer_ids: list[int], dst: int, device: torch.device,
+                 group, log: EventLog) -> None:
+    """Target rank 0's held-out features for drafter 0, computed and sent `data.batch_size` rows at a time
+    (in passes of `model.target_rows_per_pass`, as a training batch): the rank never holds more than a
+    training batch's features or capture working set, whatever `data.eval_examples` (docs/SCALE.md)."""
+    held_out = heldout_examples(cfg, target.config.vocab_size)
+    size = cfg.data.batch_size
+    chunks = [held_out[i:i + size] for i in range(0, len(held_out), size)]
+    dist.send(torch.tensor([len(chunks)], dtype=torch.int64, device=device), dst, group=group)
+    for chunk in chunks:
+        send_batch(dst, HELDOUT_INDEX, group=group,
+                   **step_features(target, chunk, layer_ids, cfg.model.target_rows_per_pass, device))
+    log.emit("heldout_sent", examples=len(held_out), batches=len(chunks), rows_per_batch=size)
+
+
+def receive_heldout(src: int, device: torch.device, group) -> list:
+    """Drafter 0's held-out documents, as `send_heldout` sends them."""
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src, group=group)
+    documents = []
+    for _ in range(int(count.item())):
+        _, features = recv_batch(src, device, group=group)
+        documents += heldout_documents(**features, require=False)
+    if not documents:
+        raise ValueError(NO_HELDOUT_DOCUMENTS)
+    return documents
+
+
 def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: torch.device,
                 startup) -> str:
     group = drafter_group(ctx)
@@ -215,10 +243,9 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: 
     position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
     if ctx.role_rank == 0 and cfg.data.eval_path is not None:
-        # Drafter 0 evaluates held-out data, whose target features target rank 0 computed on its own
-        # device and sends like a batch, once: no drafter ever loads the target.
-        _, features = recv_batch(schedule.target_ranks[0], device, group=startup)
-        run.build_heldout(documents=heldout_documents(**features))
+        # Drafter 0 evaluates held-out data, whose target features target rank 0 computes on its own
+        # device and sends like batches, once: no drafter ever loads the target.
+        run.build_heldout(documents=receive_heldout(schedule.target_ranks[0], device, startup))
     n = schedule.num_drafters
     first, end = first_step * n, run_end_step(cfg, first_step) * n
     feed = (cache_feed(cfg, run.order, first, end, ctx.role_rank, n) if cfg.data.features_path
@@ -263,9 +290,7 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
     position = torch.zeros(3, dtype=torch.int64, device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
     if ctx.role_rank == 0 and cfg.data.eval_path is not None:  # drafter 0's held-out features
-        held_out = heldout_examples(cfg, target.config.vocab_size)
-        send_batch(schedule.drafter_ranks[0], HELDOUT_INDEX, group=startup,
-                   **step_features(target, held_out, layer_ids, cfg.model.target_rows_per_pass, device))
+        send_heldout(cfg, target, layer_ids, schedule.drafter_ranks[0], device, startup, log)
     first_step, epoch, cursor = position.tolist()
     order.load_state_dict({"epoch": epoch, "cursor": cursor, "num_examples": len(examples)})
     first, end = first_step * schedule.num_drafters, run_end_step(cfg, first_step) * schedule.num_drafters

@@ -49,11 +49,15 @@ class HeldOutResult:
                 "heldout_acceptance_by_position": [round(r, 4) for r in self.stats.acceptance_by_position()]}
 
 
+NO_HELDOUT_DOCUMENTS = "no held-out example has both a prompt and a response of two tokens or more"
+
+
 def heldout_documents(features: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor,
-                      loss_mask: torch.Tensor, **_) -> list[HeldOutDocument]:
+                      loss_mask: torch.Tensor, require: bool = True, **_) -> list[HeldOutDocument]:
     """The held-out documents of packed target features (`dflash.data.target.step_features` of the
     held-out examples, computed by whichever process holds the target: a pipeline's target rank 0 sends
-    them like a batch), those with a prompt and a response of two tokens or more."""
+    them a batch of rows at a time), those with a prompt and a response of two tokens or more (with
+    `require`, at least one)."""
     documents = []
     bounds = [int(b) for b in cu_seqlens.tolist()]
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -63,8 +67,8 @@ def heldout_documents(features: torch.Tensor, cu_seqlens: torch.Tensor, input_id
             continue  # no prompt, or nothing to draft after the response's first token
         documents.append(HeldOutDocument(features[start:end], input_ids[start:end].cpu(), mask,
                                          scored.index(1)))
-    if not documents:
-        raise ValueError("no held-out example has both a prompt and a response of two tokens or more")
+    if require and not documents:
+        raise ValueError(NO_HELDOUT_DOCUMENTS)
     return documents
 
 

@@ -57,6 +57,10 @@ def test_the_held_out_features_come_from_a_target_rank_and_no_drafter_loads_the_
     loaded_by = sorted(roles[json.loads(line)["rank"]] for line in loads.read_text().splitlines()
                        if json.loads(line)["rank"] is not None)
     assert loaded_by == ["target0", "target1"], loaded_by  # each target once; no drafter
+    # Target rank 0 computed and sent them a training batch of rows at a time: 8 examples, 2 batches of 4.
+    sent = [e for e in run.events() if e["event"] == "heldout_sent"]
+    shown = [(e["worker"], e["examples"], e["batches"], e["rows_per_batch"]) for e in sent]
+    assert shown == [("target0", 8, 2, 4)], shown
     got, want = heldout(run.events()), heldout(single.events())
     assert [s for s, _, _ in got] == [s for s, _, _ in want] == [4, 8]
     for (_, loss, tau), (_, want_loss, want_tau) in zip(got, want, strict=True):
