@@ -150,9 +150,11 @@ class DataConfig(Section):
     # held-out evaluation. Only the first eval_examples rows are used.
     eval_path: str | None = None
     eval_examples: int = 16
-    # A feature cache (python -m dflash.capture) read instead of the target; checksums or sizes verified.
+    # A feature cache (python -m dflash.capture) read instead of the target. Verified at every start (and by
+    # validate): `sizes`, every shard there at its manifest's size; `checksums`, every shard hashed too (at
+    # the recipe's ~41 KB a token, hours for a whole data set: on request, after a copy or a disk fault).
     features_path: str | None = None
-    features_verify: str = "checksums"
+    features_verify: str = "sizes"
     # The thinking mode (a chat template's enable_thinking) the data was regenerated in and the drafter
     # is served in; regenerated data whose manifest records the other mode is refused
     # (dflash.data.data_manifest). false: the public Qwen3 DFlash drafters' non-thinking mode.

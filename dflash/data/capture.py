@@ -290,9 +290,11 @@ def capture(cfg: TrainConfig, out: str | Path, replicas: int = 1, shard_bytes: i
     shards_total = len(plan["shards"])
     todo_tokens = sum(s["tokens"] for s in plan["shards"] if s["name"] in todo)
     todo_bytes = sum(s["bytes"] for s in plan["shards"] if s["name"] in todo)
+    total_bytes = sum(s["bytes"] for s in plan["shards"])
     log.emit("capture_start", out=str(out), shards=shards_total, shards_to_write=len(todo),
              tokens=todo_tokens, bytes=todo_bytes, replicas=replicas, layer_ids=plan["layer_ids"],
-             width=plan["width"], dtype=plan["dtype"])
+             width=plan["width"], dtype=plan["dtype"], total_bytes=total_bytes,
+             bytes_per_token=round(total_bytes / max(1, plan["dataset"]["tokens"]), 1))
     progress = Progress(log, todo_tokens)
     written = 0
 

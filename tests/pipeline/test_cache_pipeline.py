@@ -47,8 +47,8 @@ def test_drafters_from_the_cache_give_the_online_losses_across_a_resume(write_co
 
 def test_the_launcher_refuses_a_corrupt_cache_before_any_worker_starts(write_config, start_run, features):
     corrupt(features / "shard-00001.safetensors")
-    run = start_run(write_config("corrupt", data={"features_path": str(features), "eval_path": None},
-                                 pipeline=DRAFTERS_ONLY))
+    run = start_run(write_config("corrupt", data={"features_path": str(features), "eval_path": None,
+                                                  "features_verify": "checksums"}, pipeline=DRAFTERS_ONLY))
     assert run.wait(timeout=120) == 2
     log = run.log_path.read_text()
     assert "data.features_path: " in log and "shard-00001.safetensors is corrupt" in log

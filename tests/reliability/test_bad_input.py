@@ -48,12 +48,15 @@ def extra(**variables):
     return ("-e", json.dumps(variables))
 
 
-def mask_token(token_id):
-    """The sim's training settings with model.mask_token_id set (an -e replaces the whole dict)."""
+def settings_with(section: str, **keys):
+    """The sim's training settings with keys of one section set (an -e replaces the whole dict)."""
     group_vars = yaml.safe_load((SIM_GROUP_VARS / "training_containers.yml").read_text())
     settings = group_vars["dflash_release_settings"]
-    model = {**settings["model"], "mask_token_id": token_id}
-    return extra(dflash_release_settings={**settings, "model": model})
+    return {**settings, section: {**settings.get(section, {}), **keys}}
+
+
+def mask_token(token_id):
+    return extra(dflash_release_settings=settings_with("model", mask_token_id=token_id))
 
 
 def broken_vars_file(fleet, tmp_path):
@@ -153,6 +156,7 @@ FLIPPED_BYTE = PYTHON + shlex.quote(
     f"f = open('{FEATURES}/shard-00000.safetensors', 'r+b'); f.seek(-100, 2); b = f.read(1); "
     "f.seek(-100, 2); f.write(bytes([b[0] ^ 255]))")
 FROM_CACHE = extra(dflash_release_features_path=FEATURES)
+CHECKSUMS = extra(dflash_release_settings=settings_with("data", features_verify="checksums"))
 
 RESTART = "restart_training.yml"
 CT200 = ("-l", "ct200")
@@ -238,7 +242,9 @@ CASES = [
          words=("model.target_layer_ids: /root/features-bad holds features of target layers [1], "
                 "this run's is [0]",
                 "Fix dflash_release_settings.model.target_layer_ids")),
-    Case("A corrupt shard of a feature cache", RESTART, CT200 + FROM_CACHE, cache_then(FLIPPED_BYTE),
+    Case("A corrupt shard of a feature cache", RESTART,
+         CT200 + FROM_CACHE + CHECKSUMS,
+         cache_then(FLIPPED_BYTE),
          cache_gone,
          words=("shard-00000.safetensors is corrupt: its sha256 is", "run python -m dflash.capture again",
                 "Fix dflash_release_features_path"), fast=True),

@@ -120,6 +120,9 @@ def test_a_stopped_capture_resumes_by_shard_and_writes_what_one_run_writes(tiny_
     log = Log(stop)
     assert capture(cfg, out, shard_bytes=SMALL_SHARDS, log=log, stop=stop)["event"] == "stopped"
     assert [e["event"] for e in log.events] == ["capture_start", "shard", "shard", "stopped"]
+    start = log.events[0]  # what the whole cache costs, said before anything is written
+    assert start["total_bytes"] == sum(s["bytes"] for s in expected)
+    assert start["bytes_per_token"] > 32 * 4  # the tiny target's one layer: 32 float32 features a token
     assert not (out / MANIFEST).exists() and (out / PLAN).is_file()
     unfinished = config_from_dict(tiny_config(tmp_path / "run", data={"features_path": str(out)}))
     with pytest.raises(ConfigError, match="not finished .2 shard file.s. written.: run python -m dflash"):
@@ -183,7 +186,8 @@ def corrupt(path: Path) -> None:
 BAD_CACHES = {
     "missing manifest": (lambda out: (out / MANIFEST).unlink(), {},
                          "data.features_path: no manifest.json in .*: the capture there has not finished"),
-    "corrupt shard": (lambda out: corrupt(out / "shard-00001.safetensors"), {},
+    "corrupt shard": (lambda out: corrupt(out / "shard-00001.safetensors"),
+                      {"data": {"features_verify": "checksums"}},
                       r"shard-00001.safetensors is corrupt: its sha256 is .*remove it and run python -m "
                       "dflash.capture"),
     "truncated shard": (lambda out: os.truncate(out / "shard-00002.safetensors", 100), {},
@@ -263,7 +267,8 @@ def test_two_replicas_write_the_shards_one_writes(tiny_config, tmp_path):
 def test_validate_refuses_a_corrupt_cache_before_a_deploy_stops_anything(cached, tmp_path, capsys):
     cfg, out = cached()
     config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(cfg.to_dict()))
+    checksums = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "features_verify": "checksums"}}
+    config.write_text(json.dumps(checksums))
     assert config_main(["validate", "--json", str(config)]) == 0
     capsys.readouterr()
     corrupt(out / "shard-00000.safetensors")
@@ -274,9 +279,9 @@ def test_validate_refuses_a_corrupt_cache_before_a_deploy_stops_anything(cached,
     verdict = json.loads(validate.stdout)
     assert verdict["key"] == "data.features_path"
     assert "shard-00000.safetensors is corrupt" in verdict["message"]
-    sizes_only = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "features_verify": "sizes"}}
-    config.write_text(json.dumps(sizes_only))
-    assert config_main(["validate", str(config)]) == 0, "sizes only: the damage goes unseen, as documented"
+    assert cfg.data.features_verify == "sizes"  # the default: the damage goes unseen, as documented
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert config_main(["validate", str(config)]) == 0
 
 
 def test_a_write_that_fails_fails_the_shard_and_the_next_capture_redoes_it(tiny_config, tmp_path,
