@@ -15,8 +15,13 @@ TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # make test-reliability's: its trials wait on playbooks and trainers too; each file stays on one worker
 # with its own fleet, so a file's trials never share a container with another file's.
 RELIABILITY_WORKERS ?= 3
+# The three randomised trials at full count (decoys, killed deploys, concurrent restarts): 80 minutes of one
+# worker's time together, 30 at least side by side. make test-reliability leaves them to their own target,
+# so that the rest of the suite stays within 45 minutes; make test and the slice run them at the fast counts.
+RELIABILITY_LONG := tests/reliability/test_decoys.py tests/reliability/test_killed_deploys.py \
+  tests/reliability/test_concurrent_restarts.py
 
-.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -59,9 +64,13 @@ rehearsal: setup ## Rehearse the pipeline at Qwen3-8B's width on CPU: start, hel
 test: setup peer-suites ## The test suite (unit, pvesim, roles, playbooks, one molecule scenario, reliability's fast subset).
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-test-reliability: setup peer-suites ## The full reliability suite (trials at docs/RELIABILITY.md's counts) and what make test leaves out.
+test-reliability: setup peer-suites ## The reliability suite at docs/RELIABILITY.md's counts and what make test leaves out, less the long trials.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \
-	  -m 'reliability or reliability_full' $(PYTEST_ARGS)
+	  -m 'reliability or reliability_full' $(addprefix --ignore=,$(RELIABILITY_LONG)) $(PYTEST_ARGS)
+
+test-reliability-long: setup ## The three randomised trials at full count: decoys, killed deploys, concurrent restarts.
+	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \
+	  -m 'reliability or reliability_full' $(RELIABILITY_LONG) $(PYTEST_ARGS)
 
 # One case of every reliability file (tests/reliability/slice_cases.py), at the fast counts: `.ci/run` runs it
 # after make test, so a stale helper or a broken fixture of a file make test skips fails CI.
