@@ -7,21 +7,19 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 from dflash.core.token_store import MANIFEST, StoreWriter, source_identity, store_path
 from dflash.data.examples import DataError, iter_rows
 
 
-def pack(data_path: str | Path, rows: Iterable[tuple[list, list]] | None = None, progress_every: int = 0,
-         out=sys.stderr) -> Path:
+def pack(data_path: str | Path, progress_every: int = 0, out=sys.stderr) -> Path:
     """Write the store of the JSON-lines file `data_path` beside it, from its rows as
     `dflash.data.examples.iter_rows` reads and checks them (a DataError names a bad line)."""
     source = source_identity(data_path)
     writer = StoreWriter(store_path(data_path), source)
     try:
-        for n, (ids, mask) in enumerate(rows if rows is not None else iter_rows(data_path), start=1):
+        for n, (ids, mask) in enumerate(iter_rows(data_path), start=1):
             writer.add(ids, mask)
             if progress_every and n % progress_every == 0:
                 print(f"pack: {n:,} rows, {writer.tokens:,} tokens", file=out, flush=True)
