@@ -81,6 +81,15 @@ def write_file(path: str | Path, text: str) -> None:
         f.write(text)
 
 
+def readable(path: str | Path) -> str:
+    """`path` as a string, once it opens for reading. safetensors reports any failure to open a file (a
+    permission denied too) as "No such file or directory", so the file is opened here first and the
+    system's own error, with its errno, is the one raised."""
+    with open(path, "rb"):
+        pass
+    return str(path)
+
+
 def finite(value):
     """`value` with every NaN and infinity in it (in lists and mappings too) as None: JSON has neither."""
     if isinstance(value, float):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.core.runtime import readable
 from dflash.data.examples import Example, collate
 from dflash.model.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
@@ -29,6 +30,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str | torch.de
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no model at {path} (expected {path / 'config.json'})")
+    for weights in sorted(path.glob("*.safetensors")):
+        readable(weights)  # a file the run may not read says so (transformers reads it through safetensors)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=True)
     model.to(device)
     model.eval()
@@ -61,14 +64,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"no safetensors weights at {path} (expected {single} or {index})")
-    with safe_open(str(single), framework="pt") as f:
+    with safe_open(readable(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
 
 def _read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
     from safetensors import safe_open
 
-    with safe_open(str(files[name]), framework="pt") as f:
+    with safe_open(readable(files[name]), framework="pt") as f:
         return f.get_tensor(name)
 
 

@@ -15,7 +15,8 @@ The costs come from two places, in the same units for both roles:
 - while it runs: each rank's own seconds (`MeasuredWaits`): a target's time computing a batch, a
   drafter's time stepping (its wait for a batch left out), from the `waits` lines the targets log and the
   `wait_fraction` and `busy_s` of the drafters' `step` lines. The launcher logs the advice they give as a
-  `balance` line every log interval, and status.json shows the latest.
+  `balance` line every log interval from the seconds summed over the run so far, and status.json shows
+  the latest.
 
 No torch: the validation runs this before anything is started. Each FLOP term: docs/PIPELINE.md.
 """
@@ -148,32 +149,43 @@ def predicted_line(advice: Advice) -> str:
 
 # --- while it runs: each rank's own seconds ------------------------------------------------------
 class MeasuredWaits:
-    """The latest interval of each target (`waits` lines) and of the drafters (`step` lines)."""
+    """Each side's seconds summed over the run so far: every target's `waits` lines, the drafters' `step`
+    lines. Sums, not the latest interval: one interval of one step is noise (a drafter's collectives on a
+    busy machine), and the advice should not change its mind with it. The drafters' first interval is
+    left out (its first step compiles and warms up)."""
 
     def __init__(self, targets: int, drafters: int):
         self.targets, self.drafters = targets, drafters
-        self.target_intervals: dict[str, dict] = {}
-        self.drafter_interval: dict | None = None
+        self.target_sums: dict[str, list[float]] = {}  # worker -> [batches, compute_s, wall_s]
+        self.drafter_steps, self.drafter_busy, self.drafter_waited = 0, 0.0, 0.0
 
     def follow(self, record: dict) -> None:
         event = record.get("event")
         if event == "waits" and record.get("batches"):
-            self.target_intervals[record.get("worker", "")] = record
-        elif event == "step" and record.get("busy_s") is not None and record.get("interval_steps"):
-            self.drafter_interval = record
+            sums = self.target_sums.setdefault(record.get("worker", ""), [0, 0.0, 0.0])
+            sums[0] += record["batches"]
+            sums[1] += record["compute_s"]
+            sums[2] += record["wall_s"]
+        elif (event == "step" and record.get("busy_s") is not None and record.get("interval_steps")
+              and "first_step_seconds" not in record):
+            busy, waiting = record["busy_s"], record.get("wait_fraction") or 0.0
+            if waiting >= 1.0:
+                return
+            self.drafter_steps += record["interval_steps"]
+            self.drafter_busy += busy
+            # The interval's seconds less its busy ones.
+            self.drafter_waited += busy * waiting / (1.0 - waiting)
 
     def advice(self) -> dict | None:
-        """The balance line's fields once both sides have an interval, else None."""
-        if not self.target_intervals or self.drafter_interval is None or self.targets == 0:
+        """The balance line's fields once both sides have measured something, else None."""
+        sums = [s for s in self.target_sums.values() if s[0] and s[2] > 0]
+        if not sums or self.drafter_steps == 0 or self.targets == 0:
             return None
-        intervals = list(self.target_intervals.values())
-        compute = sum(r["compute_s"] for r in intervals)
-        batches = sum(r["batches"] for r in intervals)
-        target_wait = sum(1 - r["compute_s"] / r["wall_s"] for r in intervals if r["wall_s"] > 0)
-        target_wait /= len(intervals)
-        step = self.drafter_interval
-        drafter_cost = step["busy_s"] / step["interval_steps"]
-        if batches == 0 or compute <= 0 or drafter_cost <= 0:
+        batches, compute = sum(s[0] for s in sums), sum(s[1] for s in sums)
+        if compute <= 0 or self.drafter_busy <= 0:
             return None
+        target_wait = max(0.0, sum(1 - s[1] / s[2] for s in sums) / len(sums))
+        drafter_wait = self.drafter_waited / (self.drafter_waited + self.drafter_busy)
+        drafter_cost = self.drafter_busy / self.drafter_steps
         advice = Advice(self.targets, self.drafters, compute / batches, drafter_cost)
-        return advice.fields(max(0.0, target_wait), step["wait_fraction"], "s")
+        return advice.fields(target_wait, drafter_wait, "s")

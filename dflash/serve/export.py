@@ -51,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.core.mask_token import mask_token_problem
-from dflash.core.runtime import FILE_MODE, ensure_dir, output_mode, write_file
+from dflash.core.runtime import FILE_MODE, ensure_dir, output_mode, readable, write_file
 from dflash.data.target import DTYPES
 from dflash.model import drafter as drafter_module
 from dflash.model import modeling_dflash
@@ -305,7 +305,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     """Write the export of `checkpoint` (a step directory) to `out_dir`; returns `out_dir`."""
     checkpoint = Path(checkpoint)
     # The weights and the meta only: the optimizer state (trainer.pt) is no part of an export.
-    model_state = load_file(str(checkpoint / "model.safetensors"))
+    model_state = load_file(readable(checkpoint / "model.safetensors"))
     meta = json.loads((checkpoint / "meta.json").read_text())
     drafter_cfg = DrafterConfig(**meta["drafter_config"])
     if dtype not in DTYPES:
@@ -372,7 +372,7 @@ def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, lis
     drafter_cfg = modeling_dflash.drafter_config_from_hf(config)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     drafter = DFlashDrafter(drafter_cfg, embed, head)
-    state = load_file(str(path / "model.safetensors"))
+    state = load_file(readable(path / "model.safetensors"))
     drafter.load_trainable_state_dict({name: t.to(torch.float32) for name, t in state.items()})
     drafter.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
     return drafter, list(config.dflash_config["target_layer_ids"])

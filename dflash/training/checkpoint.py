@@ -26,7 +26,7 @@ from torch import nn
 
 from dflash.core.config import ConfigError
 from dflash.core.files import fsync_path
-from dflash.core.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode
+from dflash.core.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode, readable
 from dflash.core.safe_paths import check_directory
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
@@ -260,7 +260,7 @@ def _write_checkpoint(root: Path, tmp: Path, step: int, model_state: dict[str, t
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(model_state, trainer_state, meta) of the checkpoint at `path`."""
     path = Path(path)
-    model_state = load_file(str(path / "model.safetensors"))
+    model_state = load_file(readable(path / "model.safetensors"))
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     meta = json.loads((path / "meta.json").read_text())
     return model_state, trainer_state, meta

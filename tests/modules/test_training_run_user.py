@@ -24,6 +24,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     own_directories,
     reach_refusal,
     read_environment_file,
+    read_refusal,
     run_identity,
 )
 from tests.waiting import wait_for
@@ -167,3 +168,34 @@ def reach_checks(tmp_path):
     assert refused and f"enter {private} " in refused, refused
     private.chmod(0o711)
     assert reach_refusal(nobody, "/bin/sh", str(venv / "python"), "/") is None
+
+
+@needs_root
+def test_a_model_or_data_the_user_cannot_read_refuses_the_start():
+    """A model saved 0600 by root: the start says which file before it stops anything, instead of a
+    successor that fails when it opens the weights."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))  # pytest's own directory is root's alone
+    try:
+        base.chmod(0o755)
+        model, data = base / "model", base / "data" / "train.jsonl"
+        model.mkdir()
+        data.parent.mkdir()
+        for path in (model / "config.json", model / "model.safetensors", data):
+            path.write_text("{}")
+            path.chmod(0o644)
+        (model / "model.safetensors").chmod(0o600)
+        nobody = run_identity("nobody")
+        wanted = [str(model), str(data), str(base / "missing")]  # what is not there: the validation's to say
+        refused = read_refusal(nobody, wanted)
+        assert refused and f"it may not read {model / 'model.safetensors'} (mode 0600)" in refused, refused
+        (model / "model.safetensors").chmod(0o640)
+        os.chown(model / "model.safetensors", 0, NOBODY)  # through its group
+        assert read_refusal(nobody, wanted) is None
+        data.parent.chmod(0o700)
+        refused = read_refusal(nobody, wanted)
+        assert refused and f"it may not enter {data.parent} " in refused, refused
+        data.parent.chmod(0o755)
+        data.chmod(0o600)
+        assert f"it may not read {data} " in read_refusal(nobody, wanted)
+    finally:
+        shutil.rmtree(base)

@@ -177,12 +177,19 @@ def test_the_trainer_runs_as_dflash_run_user(fleet):
     assert refused.rc != 0 and "may not enter /root " in refused.stdout, refused.stdout[-4000:]
     assert fleet.alive(VMID, before["pid"]) and fleet.run_info(VMID)["pid"] == before["pid"]
     assert fleet.ct(VMID, "chmod 0711 /root").returncode == 0
-    # The model and the data must be readable by the run's user: the sim's tiny ones are written 0600.
-    # (Only they: the rest of .cache changes under other tests meanwhile, the release cache among it.)
-    # Changed on this machine, not in the container: a checkout under /tmp or /root reaches the container
-    # through a read-only bind mount (pvesim/container.py), where chmod fails.
-    made_readable = subprocess.run(["chmod", "-R", "a+rX", str(fleet.assets)], capture_output=True, text=True)
-    assert made_readable.returncode == 0, made_readable.stderr
+    # The sim's tiny model and data are written 0600: the user could not read them, which the start finds
+    # before it stops anything too (the run it would stop is a good one).
+    refused = fleet.play("deploy.yml", "-e", f"@{user_vars}")
+    assert refused.rc != 0 and "it may not read " in refused.stdout, refused.stdout[-4000:]
+    assert str(fleet.assets) in refused.stdout, refused.stdout[-4000:]
+    assert fleet.alive(VMID, before["pid"]) and fleet.run_info(VMID)["pid"] == before["pid"]
+    # A copy the user may read, in the container's own filesystem. Not a chmod of the originals: they reach
+    # the container through its overlay's lower layer, or a read-only bind mount for a checkout under /tmp
+    # or /root (pvesim/container.py), and a change under a mounted overlay is not seen the same inside.
+    readable = "/srv/dflash-sim-assets"
+    copied = fleet.ct(VMID, f"cp -r {fleet.assets} {readable} && chmod -R a+rX {readable}")
+    assert copied.returncode == 0, copied.stderr
+    user_vars.write_text(json.dumps({**json.loads(user_vars.read_text()), "dflash_sim_assets": readable}))
     res = fleet.play("deploy.yml", "-e", f"@{user_vars}")
     assert res.rc == 0, res.stdout[-4000:]
     assert res.results("Wait until the run's GPUs are busy.")[f"ct{VMID}"]["met"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -61,3 +63,20 @@ def test_a_drafter_on_the_head_alone_is_the_drafter_on_the_whole_target(tiny_tar
 
 def _refuse(*args, **kwargs):
     raise AssertionError("the target model was built")
+
+
+def test_a_weights_file_that_cannot_be_opened_is_reported_with_its_own_error(tmp_path, make_target):
+    """safetensors says "No such file or directory" for any file it cannot open (a permission denied to the
+    run's user among them) and "No such device" for a directory; the loaders open each file first, so the
+    error is the system's own, with the path."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(make_target("big")).save_pretrained(path, max_shard_size="20KB")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = path / next(file for name, file in weight_map.items() if name.endswith("embed_tokens.weight"))
+    shard.unlink()
+    shard.mkdir()  # a name that is there but does not open as a file
+    for load in (load_target, load_target_head):
+        with pytest.raises(IsADirectoryError, match=str(shard)):
+            load(path)

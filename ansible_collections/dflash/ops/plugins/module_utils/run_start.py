@@ -131,6 +131,27 @@ def reach_refusal(identity, program, interpreter, chdir):
     interpreter it execs, the working directory), as the refusal message, or None: found before anything
     is stopped, not by a successor that fails after the stop."""
     wanted = [(program, 0o5), (chdir or "/", 0o1)] + ([(interpreter, 0o1)] if interpreter else [])
+    return _path_refusal(identity, wanted, "or build the venv on a python the user can run")
+
+
+def read_refusal(identity, paths):
+    """Why the run's user could not read what its run reads (`paths`: the model, the data; a directory
+    and each file directly in it), as the refusal message, or None. A path that is not there is left to
+    the release's validation, which names it."""
+    wanted = []
+    for path in paths:
+        if os.path.isdir(path):
+            wanted.append((path, 0o5))
+            wanted += [(entry.path, 0o4) for entry in sorted(os.scandir(path), key=lambda e: e.name)
+                       if entry.is_file()]
+        elif os.path.exists(path):
+            wanted.append((path, 0o4))
+    return _path_refusal(identity, wanted, "or give the files to a group the user is in")
+
+
+def _path_refusal(identity, wanted, otherwise):
+    """The first of `wanted` ((path, permission bits)) the user may not use, or a directory on the way to
+    it (through each symbolic link's directory too) that it may not enter, as the refusal message."""
     for path, bits in wanted:
         real = os.path.realpath(path)
         hops = [os.path.abspath(path)]
@@ -144,12 +165,15 @@ def reach_refusal(identity, program, interpreter, chdir):
         for what, needed in [(real, bits)] + [(parent, 0o1) for parent in sorted(parents)]:
             mode = os.stat(what).st_mode
             if not may_use(os.stat(what), identity, needed):
-                doing = "enter" if what != real else "read and run" if bits == 0o5 else "run"
+                doing = "enter" if what != real else PERMISSION_WORDS[needed]
                 return (f"cannot start run as user {identity['name']}: it may not {doing} {what} (mode "
                         f"{S_IMODE(mode):04o}), on the way to {path}: {NOTHING_DONE}. Make it readable and "
-                        f"searchable by other users (chmod o+rx), or build the venv on a python the user "
-                        f"can run.")
+                        f"searchable by other users (chmod o+rx), {otherwise}.")
     return None
+
+
+# What a refusal says the user may not do with a file, by the permission bits it lacks.
+PERMISSION_WORDS = {0o5: "read and run", 0o4: "read", 0o1: "run"}
 
 
 def device_refusal(identity, patterns=GPU_DEVICES):
@@ -186,7 +210,8 @@ def preflight(params, env):
     if program is None:
         raise RunError(f"cannot start run: {command[0]} is not an executable file (PATH={env.get('PATH')})")
     refused = program_refusal(program, chdir, params.get("interpreter")) or \
-        (identity and reach_refusal(identity, program, params.get("interpreter"), chdir))
+        (identity and reach_refusal(identity, program, params.get("interpreter"), chdir)) or \
+        (identity and read_refusal(identity, params.get("user_reads") or []))
     if refused:
         raise RunError(refused)
     for path in (params["pidfile"], params["log_path"]):

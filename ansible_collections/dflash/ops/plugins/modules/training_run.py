@@ -85,6 +85,15 @@ options:
     type: list
     elements: path
     default: []
+  user_reads:
+    description:
+      - With O(user), what the run reads (the target model's directory, the data). Before anything is
+        stopped the start fails if that user may not read each file (a directory's files, not below it)
+        or enter each directory on its way. A model written C(0600) by root would otherwise stop the good
+        run and fail its successor once it opens the weights. A path that is not there is not checked.
+    type: list
+    elements: path
+    default: []
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -431,6 +440,7 @@ ARGUMENT_SPEC = dict(
     chdir=dict(type="path"),
     user=dict(type="str"),
     user_directories=dict(type="list", elements="path", default=[]),
+    user_reads=dict(type="list", elements="path", default=[]),
     interpreter=dict(type="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
@@ -600,6 +610,8 @@ def main():
         module.fail_json(msg=f"expect_pid must be a pid or 0 (no run), got {params['expect_pid']}")
     if params["user_directories"] and not params["user"]:
         module.fail_json(msg="user_directories are made the run's user's: set user too")
+    if params["user_reads"] and not params["user"]:
+        module.fail_json(msg="user_reads are checked for the run's user: set user too")
     if params["async_results_file"] and params["state"] != "status":
         module.fail_json(msg=f"async_results_file is read by state=status only (a task that polls the async "
                              f"job of another call), not state={params['state']}: nothing was done")
