@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -110,6 +111,11 @@ def measure(mode: str, device: str, backend: str) -> dict:
         "max_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / gib, 2) if cuda else None,
         "max_allocated_gib": round(torch.cuda.max_memory_allocated(dev) / gib, 2) if cuda else None,
         "predicted_gib": None if predicted is None else round(predicted["bytes"] / gib, 2),
+        # What the driver counts for this process (the CUDA context, NCCL's and the allocator's blocks),
+        # beside the prediction with the model's CUDA context term added.
+        "process_gib": process_memory_gib() if cuda else None,
+        "predicted_process_gib": None if predicted is None else
+        round((predicted["bytes"] + context_bytes()) / gib, 2),
         "graphs_at_warmup": graphs_at_warmup,
         "new_graphs_after_warmup": compiled_graphs() - graphs_at_warmup,
         "loss": measured[-1][2].loss, "blocks": measured[0][2].num_blocks,
@@ -117,6 +123,28 @@ def measure(mode: str, device: str, backend: str) -> dict:
                   f"batch {d.batch_size} x {d.max_length}, {d.max_anchors} anchors, loss chunk "
                   f"{cfg.model.loss_chunk_size}, {cfg.model.dtype}"),
     }
+
+
+def context_bytes() -> int:
+    """The memory model's CUDA context term (memory_fit.CUDA_RUNTIME_BYTES)."""
+    from dflash.training.memory_fit import CUDA_RUNTIME_BYTES
+
+    return CUDA_RUNTIME_BYTES
+
+
+def process_memory_gib() -> float | None:
+    """This process's GPU memory as nvidia-smi counts it (`--query-compute-apps`), or None where it is
+    not listed (nvidia-smi missing, or a PID namespace that hides the process's own pid)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                               "nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in done.stdout.splitlines():
+        fields = [x.strip() for x in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(os.getpid()) and fields[1].isdigit():
+            return round(int(fields[1]) / 1024, 2)  # MiB
+    return None
 
 
 def speed_part(mode: str, device: str) -> dict:
@@ -139,13 +167,15 @@ def table_rows(part: dict) -> list[str]:
     lines = [f"f. the drafter step by attention backend ({part['shape']}; measured steps change their "
              f"documents)",
              f"   {'backend':>22} | {'step s':>6} | {'samples/s':>9} | {'tokens/s':>8} | "
-             f"{'1st step s':>10} | {'reserved GiB':>12} | {'predicted GiB':>13} | new graphs"]
+             f"{'1st step s':>10} | {'reserved GiB':>12} | {'predicted GiB':>13} | "
+             f"{'nvidia-smi GiB':>14} | {'predicted':>9} | new graphs"]
     for name in BACKENDS:
         r = part[name]
         label = f"{name}: {r['backend']}{' compiled' if r['compiled'] else ''}"
         lines.append(f"   {label:>22} | {r['step_s']:>6} | {r['samples_per_s']:>9} | "
                      f"{r['tokens_per_s']:>8} | {r['first_step_s']:>10} | {str(r['max_reserved_gib']):>12} | "
-                     f"{str(r['predicted_gib']):>13} | {r['new_graphs_after_warmup']}")
+                     f"{str(r['predicted_gib']):>13} | {str(r.get('process_gib')):>14} | "
+                     f"{str(r.get('predicted_process_gib')):>9} | {r['new_graphs_after_warmup']}")
     ref = part["reference"]
     lines += [f"   auto's reason: {part['auto']['reason']}; speed-up over the tiles: {part['speedup']}x",
               f"   reference: {ref['samples_per_s']} samples/s, {ref['tokens_per_s']} tokens/s "

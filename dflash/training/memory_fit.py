@@ -36,10 +36,29 @@ QUERY_ACTIVATION_BYTES = 30.0
 # The target's capture working set per (row of a pass, token, hidden channel), in elements of the
 # target's dtype (section 5: ~10 layer outputs for a whole-batch pass; one row a pass divides it).
 CAPTURE_WORKING_ELEMENTS = 10.0
-# What a process holds before its model: the CUDA context and the allocator's reserve on a GPU (an
-# estimate until the GPU check measures it); on CPU the rehearsal measures Python + torch + the
-# trainer's imports and passes it in (`runtime_bytes`).
+# What a process holds before its model: the CUDA context and its kernels on a GPU (an estimate until
+# the GPU check measures it; nvidia-smi sees it, torch's allocator does not); on CPU the rehearsal
+# measures Python + torch + the trainer's imports and passes it in (`runtime_bytes`).
 CUDA_RUNTIME_BYTES = 1 * GiB
+# The caching allocator's blocks reserved beyond those allocated, as a share of the allocated peak: the
+# GPU check's drafter step at the recipe's shape (flex, fixed shapes) reserved 33.76 GiB for 32.79
+# allocated on one H200 (docs/SCALE.md, "Step time"), 3 %. Shapes that change step to step fragment more.
+ALLOCATOR_RESERVE = 0.03
+# NCCL's buffers, allocated by NCCL outside torch's allocator (nvidia-smi sees them, max_memory_reserved
+# does not), from NCCL's defaults in src/init.cc and src/include/device.h: a channel's connection holds
+# one buffer a protocol, SIMPLE 4 MiB (DEFAULT_BUFFSIZE), LL 512 KiB (8 lines x 512 threads x 8 steps x
+# 16 bytes) and LL128 4,915,200 bytes (120 elements x 640 threads x 8 steps x 8 bytes). A collective
+# communicator (DDP's all-reduce, the startup group's barrier) connects up to MAXCHANNELS = 32 channels,
+# a ring and a tree connection each: an upper bound (NCCL picks fewer channels on a PCIe machine). A
+# point-to-point peer (a target and a drafter it feeds) uses NCCL_P2P_CHANNELS_PER_PEER channels of
+# 8 steps x P2P_NVL_CHUNKSIZE (512 KiB) each, SIMPLE only; NCCL rounds the per-peer count to a power of
+# two from the topology, 8 assumed here until the GPU check reads it. NCCL_BUFFSIZE and
+# NCCL_MAX_NCHANNELS shrink them.
+NCCL_CONNECTION_BYTES = 4 * MiB + 512 * 1024 + 4_915_200
+NCCL_MAX_CHANNELS = 32
+NCCL_COLLECTIVE_CONNECTIONS = 2  # a ring and a tree connection a channel
+NCCL_P2P_CHANNELS_PER_PEER = 8
+NCCL_P2P_CHANNEL_BYTES = 8 * 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,31 @@ def feature_layer_ids(cfg: TrainConfig, shape: TargetShape) -> list[int]:
     return cfg.model.target_layer_ids or build_target_layer_ids(shape.num_layers, cfg.model.num_draft_layers)
 
 
+def nccl_bytes(cfg: TrainConfig, role: str) -> int:
+    """NCCL's buffers on one rank of a CUDA pipeline: the startup group's collective communicator, the
+    drafters' all-reduce (more than one drafter), and a point-to-point peer for each rank of the other
+    role (an upper bound: a rank exchanges batches with the other role's ranks the schedule pairs it
+    with)."""
+    p = cfg.pipeline
+    if p.device != "cuda" or not p.is_multi_process:
+        return 0
+    targets = sum(t for _, t in p.member_counts)
+    drafters = sum(n for n, _ in p.member_counts)
+    collective = NCCL_COLLECTIVE_CONNECTIONS * NCCL_MAX_CHANNELS * NCCL_CONNECTION_BYTES
+    peer = NCCL_P2P_CHANNELS_PER_PEER * NCCL_P2P_CHANNEL_BYTES
+    if role == "target":
+        return collective + drafters * peer
+    return collective * (2 if drafters > 1 else 1) + targets * peer
+
+
+def with_reserve(role: str, terms: list[tuple[str, int]], on_gpu: bool) -> RolePeak:
+    """The role's peak: its terms and, on a GPU, the caching allocator's reserve over what torch allocates
+    (every term but the CUDA context and NCCL's buffers, which are not the allocator's)."""
+    allocated = sum(b for n, b in terms if n not in ("runtime", "nccl_buffers"))
+    reserve = int(ALLOCATOR_RESERVE * allocated) if on_gpu else 0
+    return RolePeak(role, (*terms, ("allocator_reserve", reserve)))
+
+
 def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
     """A drafter rank: the frozen head, fp32 masters, gradients, DDP's buckets, AdamW, one document
     group's step (a group is about one full-length document: max_length tokens, max_anchors blocks),
@@ -123,6 +167,7 @@ def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Ro
             else scored * LOSS_BYTES_UNCHUNKED) * shape.vocab
     feature_batch = d.batch_size * d.max_length * k * shape.hidden * dtype
     queued = p.queue_depth + 1 if p.is_multi_process else 1  # the queue plus the batch in training
+    on_gpu = p.device == "cuda"
     terms = [
         ("runtime", runtime_bytes),
         ("target_head", shape.head_parameters() * dtype),
@@ -130,14 +175,18 @@ def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Ro
         ("gradients_fp32", 4 * params),
         # DDP's reducer copies the gradients into buckets of its own (gradient_as_bucket_view off).
         ("ddp_buckets", 4 * params if drafters > 1 else 0),
+        ("nccl_buffers", nccl_bytes(cfg, "drafter")),
         ("adamw_state_fp32", 8 * params),
+        # On a GPU AdamW runs its foreach path (torch/optim/adam.py, _multi_tensor_adam): a temporary the
+        # size of the parameters in fp32, `scaled_device_grads` and then `exp_avg_sq_sqrt`, one at a time.
+        ("adamw_temporaries", 4 * params if on_gpu else 0),
         ("layer_activations", int(m.num_draft_layers * LAYER_ACTIVATION_BYTES * queries * shape.hidden)),
         ("query_activations", int(QUERY_ACTIVATION_BYTES * queries * shape.hidden)),
         ("loss_chunk" if m.loss_chunk_size is not None else "loss_unchunked", int(loss)),
         ("feature_queue", queued * feature_batch),
         ("heldout_features", d.eval_examples * d.max_length * k * shape.hidden * dtype if d.eval_path else 0),
     ]
-    return RolePeak("drafter", tuple(terms))
+    return with_reserve("drafter", terms, on_gpu)
 
 
 def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
@@ -156,10 +205,11 @@ def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Rol
         ("runtime", runtime_bytes),
         ("target_layers", (layers * shape.layer_parameters() + shape.hidden) * dtype),
         ("target_embedding_and_head", shape.head_parameters() * dtype if on_gpu else 0),
+        ("nccl_buffers", nccl_bytes(cfg, "target")),
         ("features_out", tokens * len(ids) * shape.hidden * dtype),
         ("capture_working_set", int(CAPTURE_WORKING_ELEMENTS * rows * d.max_length * shape.hidden * dtype)),
     ]
-    return RolePeak("target", tuple(terms))
+    return with_reserve("target", terms, on_gpu)
 
 
 def predict(cfg: TrainConfig, shape: TargetShape | None = None,
@@ -176,8 +226,10 @@ def predict(cfg: TrainConfig, shape: TargetShape | None = None,
             return [drafter]
         target = target_peak(cfg, shape, 0)
         # One process: the drafter's head is the target's own embedding and lm_head.
-        return [RolePeak("single", drafter.terms + tuple(
-            (n, b) for n, b in target.terms if n not in ("runtime", "target_embedding_and_head")))]
+        shared = ("runtime", "target_embedding_and_head", "nccl_buffers", "allocator_reserve")
+        merged = [(n, b) for n, b in drafter.terms if n != "allocator_reserve"] + [
+            (n, b) for n, b in target.terms if n not in shared]
+        return [with_reserve("single", merged, cfg.pipeline.device == "cuda")]
     targets = sum(t for _, t in cfg.pipeline.member_counts)
     return ([target_peak(cfg, shape, runtime_bytes)] if targets else []) + [drafter]
 
@@ -207,7 +259,8 @@ def gpu_memory_of(cfg: TrainConfig, gpus: dict[int, int]) -> dict[str, list[tupl
 # The terms no batch, anchor, chunk or queue setting changes: the weights, their gradients and optimizer
 # state, the runtime. When they alone exceed a GPU, only another layout (or other GPUs) can fit.
 FIXED_TERMS = ("runtime", "target_head", "drafter_weights_fp32", "gradients_fp32", "ddp_buckets",
-               "adamw_state_fp32", "target_layers", "target_embedding_and_head")
+               "nccl_buffers", "adamw_state_fp32", "adamw_temporaries", "target_layers",
+               "target_embedding_and_head")
 LAYOUT_CHANGE = {
     "target": "the target's weights need GPUs this large: larger GPUs, model.dtype bfloat16 if it is "
               "float32, or no target rank at all (a feature cache: python -m dflash.capture once, "

@@ -222,3 +222,30 @@ def test_a_cpu_torch_on_a_cuda_layout_is_refused_with_the_driver_and_the_wheelho
             and "wheel of CUDA 12.x in the wheelhouse" in answer["message"]), answer["message"]
     # The machine checks off (an offline validate): nothing of the driver is read.
     assert validate(recipe(), "--no-target-check", env=env).returncode == 0
+
+
+def test_a_gpu_rank_counts_nccl_the_optimizer_s_temporaries_and_the_allocator_s_reserve(recipe):
+    """On CUDA: NCCL's buffers per communicator and peer (from NCCL's defaults), AdamW's foreach temporary
+    (the parameters again in fp32) and the caching allocator's reserve over what torch allocates; none of
+    them on CPU, where the rehearsal measures the whole process."""
+    cfg = load_config(recipe(pipeline={"target_gpus": [0, 1, 2], "drafter_gpus": [3, 4, 5, 6, 7]}),
+                      check_target=False)
+    shape = memory_fit.TargetShape.read(cfg.model.target_path)
+    target, drafter = (dict(p.terms) for p in memory_fit.predict(cfg, shape))
+    connection = (4 << 20) + (512 << 10) + 120 * 640 * 8 * 8  # SIMPLE, LL, LL128 of one channel
+    collective = 2 * 32 * connection  # a ring and a tree connection on each of 32 channels
+    peer = 8 * 8 * (512 << 10)  # 8 channels of 8 steps of 512 KiB
+    assert target["nccl_buffers"] == collective + 5 * peer  # the startup group; 5 drafters
+    assert drafter["nccl_buffers"] == 2 * collective + 3 * peer  # and the drafters' all-reduce; 3 targets
+    assert round(drafter["nccl_buffers"] / memory_fit.MiB) == 1272
+    params = memory_fit.drafter_parameters(cfg, shape)
+    assert drafter["adamw_temporaries"] == 4 * params == drafter["drafter_weights_fp32"]
+    for terms in (target, drafter):
+        outside = ("runtime", "nccl_buffers", "allocator_reserve")
+        allocated = sum(b for n, b in terms.items() if n not in outside)
+        assert terms["allocator_reserve"] == int(0.03 * allocated)
+    on_cpu = load_config(recipe(pipeline={"device": "cpu", "target_gpus": [], "drafter_gpus": [],
+                                          "target_workers": 3, "drafter_workers": 5}), check_target=False)
+    for peak in memory_fit.predict(on_cpu, shape, runtime_bytes=0):
+        terms = dict(peak.terms)
+        assert terms["nccl_buffers"] == terms["allocator_reserve"] == terms.get("adamw_temporaries", 0) == 0
