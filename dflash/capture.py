@@ -15,6 +15,7 @@ from dflash.core.config import ConfigError, check_against_target, load_config
 from dflash.core.runtime import EventLog, StopSignal, exit_code_of
 from dflash.data.capture import DEFAULT_SHARD_MB, FREE_BYTES_ENV, CaptureError, capture
 from dflash.data.examples import DataError
+from dflash.data.subset import SUBSET_FILE, parse_rows, write_subset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="the cache directory (default: the config's data.features_path)")
     parser.add_argument("--replicas", type=int,
                         help="target replicas (default: every visible GPU on cuda, 1 on cpu)")
+    subset = parser.add_mutually_exclusive_group()
+    subset.add_argument("--rows", metavar="A:B",
+                        help="cache rows A to B - 1 of data.path (from 0; A: or :B): they are written to "
+                             "OUT/data.jsonl, the data.path of a run that reads the cache")
+    subset.add_argument("--fraction", type=float, metavar="F",
+                        help="cache F of data.path's rows, evenly spread over the file (0 < F <= 1), "
+                             "written to OUT/data.jsonl as --rows")
     parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_MB,
                         help=f"shard size in MiB, whole batches (default {DEFAULT_SHARD_MB}); a stop waits "
                              "for each replica's shard at hand")
@@ -48,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.shard_mb < 1:
             raise CaptureError("--shard-mb must be >= 1")
         free = int(os.environ[FREE_BYTES_ENV]) if FREE_BYTES_ENV in os.environ else None
-        capture(cfg, out, replicas, args.shard_mb << 20, free, log, stop)
+        chosen = None
+        if args.rows is not None or args.fraction is not None:
+            if os.path.exists(out) and not os.path.isdir(out):
+                raise CaptureError(f"{out} is not a directory")
+            rows = parse_rows(args.rows) if args.rows is not None else None
+            chosen = write_subset(cfg.data.path, out, rows, args.fraction)
+            log.emit("subset", path=os.path.join(out, SUBSET_FILE), **chosen)
+        capture(cfg, out, replicas, args.shard_mb << 20, free, log, stop, subset=chosen)
 
     return exit_code_of(run_capture, log, stop, (CaptureError, ConfigError, DataError, FileNotFoundError),
                         "dflash.capture")

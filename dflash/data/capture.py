@@ -21,6 +21,7 @@ crashed, 2 bad input.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ from dflash.data.feature_cache import (
     target_identity,
     write_json,
 )
+from dflash.data.subset import SUBSET_FILE
 from dflash.data.target import load_target, target_hidden_states
 
 # Test knobs: the free bytes the disk-space check sees instead of the file system's; seconds a replica
@@ -126,7 +128,7 @@ def prepare(cfg: TrainConfig, out: Path, plan: dict, free: int | None) -> list[s
         if differ:
             raise CaptureError(f"{out} holds a capture with another plan (it differs in "
                                f"{', '.join(differ)}): finish it with its own config, or capture elsewhere")
-    elif out.is_dir() and any(out.iterdir()):
+    elif out.is_dir() and any(p.name != SUBSET_FILE for p in out.iterdir()):
         raise CaptureError(f"{out} is not empty and holds no capture: capture into an empty or new directory")
     for stale in out.glob(".shard-*.tmp") if out.is_dir() else []:
         stale.unlink()  # a shard cut short by a kill
@@ -279,13 +281,20 @@ class Progress:
 
 
 def capture(cfg: TrainConfig, out: str | Path, replicas: int = 1, shard_bytes: int = DEFAULT_SHARD_MB << 20,
-            free: int | None = None, log: EventLog | None = None, stop: StopSignal | None = None) -> dict:
-    """Capture the features of `cfg`'s data set into `out`; the summary of the last event line."""
+            free: int | None = None, log: EventLog | None = None, stop: StopSignal | None = None,
+            subset: dict | None = None) -> dict:
+    """Capture the features of `cfg`'s data set into `out`; the summary of the last event line. With
+    `subset` (`dflash.data.subset.write_subset`'s record of the rows written to `out`/data.jsonl), that
+    file is the data set."""
     started = time.perf_counter()
     out, log, stop = Path(out), log or EventLog(0), stop or StopSignal()
     device = cfg.pipeline.device
+    if subset is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(out / SUBSET_FILE)))
     examples = training_examples(cfg.data, target_shape(cfg.model.target_path)[1])
     plan, batches = make_plan(cfg, examples, shard_bytes)
+    if subset is not None:
+        plan["dataset"]["subset"] = subset
     todo = prepare(cfg, out, plan, free)
     shards_total = len(plan["shards"])
     todo_tokens = sum(s["tokens"] for s in plan["shards"] if s["name"] in todo)
@@ -323,6 +332,8 @@ def capture(cfg: TrainConfig, out: str | Path, replicas: int = 1, shard_bytes: i
     for shard in plan["shards"]:
         (out / record_name(shard["name"])).unlink(missing_ok=True)
     summary["bytes"] = sum(s["bytes"] for s in plan["shards"])
+    if subset is not None:  # what a run that reads it must name
+        summary["data_path"] = cfg.data.path
     log.emit("captured", **summary)
     return {"event": "captured", **summary}
 

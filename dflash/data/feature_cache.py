@@ -239,6 +239,13 @@ def check_identity(cfg: TrainConfig, manifest: dict, root: Path) -> None:
     _compare("examples kept by min_loss_tokens", dataset.get("min_loss_tokens"), cfg.data.min_loss_tokens,
              "data.min_loss_tokens", root)
     digest = file_sha256(cfg.data.path)
+    subset = dataset.get("subset")
+    if dataset["sha256"] != digest and subset and subset.get("of_sha256") == digest:
+        rows = f"rows {subset['rows'][0]}:{subset['rows'][1]}" if "rows" in subset \
+            else f"{subset['fraction']} of the rows"
+        raise ConfigError("data.path", f"{root} holds the features of {rows} of {cfg.data.path} "
+                          f"({subset['kept']} of {subset['of_rows']}), which the capture wrote to "
+                          f"{root / 'data.jsonl'}: set data.path to that file")
     if dataset["sha256"] != digest:
         raise ConfigError(KEY, f"{root} holds features of another data set ({dataset['path']}, sha256 "
                           f"{dataset['sha256'][:12]}...), not of data.path {cfg.data.path} "
