@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("hidden_states", "target_capture", "attention", "drafter_rank", "pipeline", "members",
-         "restart_cycle", "fleet", "drafter_step", "feature_cache")
+ORDER = ("hidden_states", "target_capture", "heldout_capture", "attention", "drafter_rank", "pipeline",
+         "members", "restart_cycle", "fleet", "drafter_step", "feature_cache")
 
 
 def run_one(name: str, extra: list[str]) -> dict:

@@ -34,8 +34,12 @@ LOSS_BYTES_CHUNK = 6.0
 LAYER_ACTIVATION_BYTES = 50.6
 QUERY_ACTIVATION_BYTES = 30.0
 # The target's capture working set per (row of a pass, token, hidden channel), in elements of the
-# target's dtype (section 5: ~10 layer outputs for a whole-batch pass; one row a pass divides it).
-CAPTURE_WORKING_ELEMENTS = 10.0
+# target's dtype: CAPTURE_WORKING_BASE plus CAPTURE_WORKING_PER_MLP per unit of intermediate / hidden (the
+# MLP's gate and up outputs and their product, I wide each). `benchmarks/heldout_capture.py` measured a
+# pass of 8 rows x 512 at H 256 with I 512, 768 and 1024: 10.1, 13.1 and 16.1 (BENCHMARKS.md section 15);
+# section 5's 10 at I = 2H is the same line. Qwen3's MLP is 3H: 13.
+CAPTURE_WORKING_BASE = 4.0
+CAPTURE_WORKING_PER_MLP = 3.0
 # What a process holds before its model: the CUDA context and its kernels on a GPU (an estimate until
 # the GPU check measures it; nvidia-smi sees it, torch's allocator does not); on CPU the rehearsal
 # measures Python + torch + the trainer's imports and passes it in (`runtime_bytes`).
@@ -189,6 +193,11 @@ def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Ro
     return with_reserve("drafter", terms, on_gpu)
 
 
+def capture_working_elements(shape: TargetShape) -> float:
+    """A capture pass's working set per (row, token, hidden channel), in elements of the model dtype."""
+    return CAPTURE_WORKING_BASE + CAPTURE_WORKING_PER_MLP * shape.intermediate / shape.hidden
+
+
 def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
     """A target rank: its weights, the packed features of a batch and the capture's working set. On a GPU
     every weight is copied to the device. On CPU the weights stay mapped from the safetensors file and
@@ -201,13 +210,14 @@ def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Rol
     on_gpu = cfg.pipeline.device == "cuda"
     layers = shape.num_layers if on_gpu else max(ids) + 1
     tokens = d.batch_size * d.max_length
+    working = capture_working_elements(shape)
     terms = [
         ("runtime", runtime_bytes),
         ("target_layers", (layers * shape.layer_parameters() + shape.hidden) * dtype),
         ("target_embedding_and_head", shape.head_parameters() * dtype if on_gpu else 0),
         ("nccl_buffers", nccl_bytes(cfg, "target")),
         ("features_out", tokens * len(ids) * shape.hidden * dtype),
-        ("capture_working_set", int(CAPTURE_WORKING_ELEMENTS * rows * d.max_length * shape.hidden * dtype)),
+        ("capture_working_set", int(working * rows * d.max_length * shape.hidden * dtype)),
     ]
     return with_reserve("target", terms, on_gpu)
 
