@@ -55,6 +55,7 @@ from dflash.core.config import local_model_problem
 from dflash.core.runtime import StopSignal
 from dflash.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
 from dflash.data.feature_cache import write_json
+from dflash.data.row_merge import merge_rows
 from dflash.data.target import DTYPES, load_target
 
 
@@ -316,18 +317,14 @@ def _replica_entry(replica: int, *args) -> None:
 
 
 def merge(out: str | Path, replicas: int) -> int:
-    """Write every row (from `out` and the parts) to `out` by id, atomically; remove the parts."""
+    """Write every row (from `out` and the parts) to `out` by id, atomically, in memory that grows with the
+    row count alone (`dflash.data.row_merge`); remove the parts."""
     out = Path(out)
-    rows = _read_rows(out)
     parts = [_part_path(out, r) for r in range(replicas)]
-    for part in parts:
-        rows.update(_read_rows(part))
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("".join(json.dumps(rows[i]) + "\n" for i in sorted(rows)))
-    tmp.replace(out)
+    total = merge_rows([out, *parts], out)
     for part in parts:
         part.unlink(missing_ok=True)
-    return len(rows)
+    return total
 
 
 def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings, device: str = "cpu",
