@@ -85,3 +85,22 @@ def test_status_json_and_the_boot_result_are_read_but_never_through_a_link(tmp_p
     assert (shown["pid"], shown["started_by"]) == (started["pid"], "boot") and shown["started_at"]
     assert shown["boot"] == {"outcome": "started", "msg": "resumed"}
     assert shown["progress"] == {}, shown  # the link's target is not read
+
+
+def test_a_job_running_beside_the_run_is_reported_with_its_last_log_line(tmp_path, processes):
+    """A regeneration started like a run (its pidfile and log beside the run's): status.yml shows it while
+    it runs, with how far it got, and not once it stopped."""
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    job = Run(tmp_path, processes, name="regenerate")
+    (tmp_path / "out").mkdir()
+    run.start()
+    assert report(run, smi, tmp_path)["jobs"] == []
+    started = job.start()
+    assert wait_for(lambda: job.log.exists() and job.log.read_text().strip())
+    last = job.log.read_text().strip().splitlines()[-1]
+    (shown,) = report(run, smi, tmp_path)["jobs"]
+    assert (shown["name"], shown["pid"]) == ("regenerate", started["pid"]) and shown["last"]
+    assert shown["last"] in job.log.read_text() and last
+    stopped, rc = job.call(state="stopped")
+    assert rc == 0, stopped
+    assert report(run, smi, tmp_path)["jobs"] == []

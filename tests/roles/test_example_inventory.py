@@ -7,7 +7,8 @@ filled with a token): the node's preflight, provisioning CT 200 on a fresh node,
 secret, the status, a restart, a stop, the feature cache's capture and the deploy that trains from it, a
 rollback, the metrics and an export into the checkout's .cache/. A second provision and a second deploy
 change nothing, and the secret's value never appears in Ansible's output. The tests share one sim and run
-in order. (regenerate_data.yml's line is left out: its default output is the read-only data mount.)"""
+in order. (regenerate_data.yml's line is left out: tests/roles/test_regenerate_playbook.py runs that playbook,
+its refusal of a read-only output among its tests.)"""
 
 import json
 import shlex
@@ -108,13 +109,15 @@ def apply_overrides(inventory, overrides):
 
 def node_directories(node_root, assets):
     """The node's directories the example mounts, as an operator makes them (README): the model, data and
-    wheelhouse readable, the container's feature cache owned by its root (uid 100000 on the node)."""
+    wheelhouse readable, the container's feature cache and regenerated data owned by its root (uid 100000
+    on the node)."""
     shutil.copytree(assets / "target", node_root / "srv" / "models" / "tiny-demo")
     shutil.copytree(assets / "data", node_root / "srv" / "data")
     (node_root / "srv" / "wheelhouse").mkdir(parents=True)
-    features = node_root / "srv" / "features" / HOST
-    features.mkdir(parents=True)
-    shutil.chown(features, 100000, 100000)
+    for writable in ("features", "regenerated"):
+        directory = node_root / "srv" / writable / HOST
+        directory.mkdir(parents=True)
+        shutil.chown(directory, 100000, 100000)
 
 
 @dataclass

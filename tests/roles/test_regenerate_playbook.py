@@ -1,6 +1,8 @@
 """regenerate_data.yml: the target answers a prompt set in the container, started like a run (its own
 pidfile and log) from the live release; the playbook returns once every row is written, and fails
-clearly when the regeneration cannot finish."""
+clearly when the regeneration cannot finish. A job of days: an output on a read-only mount is refused
+before anything starts, a call can return once the job started, and the next one resumes a stopped job
+and waits for it saying how far it got."""
 
 import json
 import shlex
@@ -8,6 +10,7 @@ import shlex
 import pytest
 
 from pvesim.fleet import Fleet
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -65,3 +68,48 @@ def test_the_regeneration_takes_its_thinking_mode_from_the_releases_config(fleet
                      "-e", f"dflash_regenerate_out={OUT}.thinking", "-e", thinking)
     assert res.rc != 0
     assert "has no enable_thinking toggle" in res.messages()
+
+
+def test_an_output_on_a_read_only_mount_is_refused_before_anything_starts(fleet):
+    """The container's /sys is a read-only mount (as a read-only bind mount of the data is): refused by name,
+    with the variable to set, and the job never starts."""
+    res = fleet.play("regenerate_data.yml", "-e", f"dflash_regenerate_prompts={PROMPTS}",
+                     "-e", "dflash_regenerate_out=/sys/dflash/regenerated.jsonl")
+    assert res.rc != 0
+    messages = res.messages()
+    assert "is on /sys, mounted read-only in ct200" in messages, messages
+    assert "dflash_regenerate_out" in messages
+    assert "TASK [Start the regeneration" not in res.stdout
+
+
+def test_a_job_that_returns_at_once_is_resumed_after_a_stop_and_waited_for_with_its_progress(fleet):
+    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
+    text = "".join(line + "\n" for line in lines)
+    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}.all").returncode == 0
+    out = f"{OUT}.long"
+    job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
+    args = ["-e", f"dflash_regenerate_prompts={PROMPTS}.all", "-e", f"dflash_regenerate_out={out}",
+            "-e", json.dumps({"dflash_regenerate_args": job})]
+    log = "/var/log/dflash/regenerate.log"
+    earlier = len(fleet.read(200, log) or "")  # the log of the jobs before this one
+
+    def this_job():
+        return (fleet.read(200, log) or "")[earlier:]
+
+    started = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_wait=false")
+    assert started.rc == 0, started.messages()
+    assert "The regeneration runs in ct200" in started.stdout, started.stdout[-2000:]
+    pid = json.loads(fleet.read(200, "/var/lib/dflash/regenerate.pid"))["pid"]
+    assert wait_for(lambda: '"event": "progress"' in this_job(), timeout=120), this_job()
+    # Stopped as a stop does (SIGTERM to the job this test started): it ends between two rows, keeping them.
+    assert fleet.ct(200, f"kill -TERM {pid}").returncode == 0
+    assert wait_for(lambda: not fleet.alive(200, pid), timeout=60)
+    stopped = [json.loads(line) for line in this_job().splitlines() if '"event": "stopped"' in line]
+    assert stopped and 0 < stopped[0]["rows"] < len(lines), this_job()
+    done = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_poll=1")
+    assert done.rc == 0, done.messages()
+    assert "ct200: still waiting; last: " in done.stdout, done.stdout[-3000:]
+    rows = [json.loads(line) for line in fleet.read(200, out).splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(len(lines)))
+    finished = json.loads(fleet.read(200, log).splitlines()[-1])
+    assert finished["event"] == "regenerated" and finished["skipped_done"] == stopped[0]["rows"], finished

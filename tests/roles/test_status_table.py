@@ -95,3 +95,12 @@ def test_a_running_pipeline_shows_its_balance_and_a_stopped_one_does_not():
     assert lines[2:] == [f"balance: {advice}"]
     lines = [line.strip() for line in render(report("stopped", False, {**progress, "state": "stopped"}))]
     assert lines[2:] == []
+
+
+def test_a_regeneration_running_beside_the_run_shows_how_far_it_got():
+    last = '{"event": "progress", "replica": 0, "rows": 120, "of": 800, "rows_per_s": 2.5, "eta_s": 272.0}'
+    shown = {**report("running", False, {"state": "running", "step": 40}),
+             "jobs": [{"name": "regenerate", "pid": 5151, "started_at": "", "last": last}]}
+    lines = [line.strip() for line in render(shown)]
+    assert lines[2:] == [f"regenerate: running, pid 5151; last: {last}"]
+    assert [line.strip() for line in render(report("running", False, {"state": "running"}))][2:] == []

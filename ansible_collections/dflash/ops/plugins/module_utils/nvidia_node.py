@@ -64,7 +64,7 @@ def parse_fabric(report):
             section, current = "fabric", {}
             found.append(current)
         elif section == "fabric" and ":" in stripped and line.startswith(" " * 8):
-            key, _, value = stripped.partition(":")
+            key, _sep, value = stripped.partition(":")
             current[key.strip()] = value.strip()
         elif stripped and not line.startswith(" " * 8):
             section = None
@@ -77,7 +77,7 @@ def check_fabric_manager(check, tools, query_report, driver_version):
     if query_report is None:
         return check("fabric-manager", False, "nvidia-smi -q gives no report", "fix nvidia-driver first")
     fabrics = parse_fabric(query_report)
-    if all(state in ("N/A", "Not Supported") for state, _ in fabrics):
+    if all(state in ("N/A", "Not Supported") for state, _kind in fabrics):
         return check("fabric-manager", True, "not needed: no NVSwitch fabric (nvidia-smi -q: Fabric State "
                      "N/A)", "")
     active = tools.tool("systemctl", "is-active", FABRIC_UNIT, as_root=False)

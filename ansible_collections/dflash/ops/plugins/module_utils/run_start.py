@@ -95,7 +95,7 @@ def own_directories(paths, identity):
             if os.fstat(top).st_uid == 0:
                 os.fchown(top, identity["uid"], identity["gid"])
                 count += 1
-            for _, dirs, files, dir_fd in os.fwalk(".", dir_fd=top):
+            for _path, dirs, files, dir_fd in os.fwalk(".", dir_fd=top):
                 for name in dirs + files:
                     info = os.lstat(name, dir_fd=dir_fd)
                     if info.st_uid == 0 and (S_ISDIR(info.st_mode) or info.st_nlink == 1):

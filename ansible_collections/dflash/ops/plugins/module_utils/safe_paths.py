@@ -48,8 +48,8 @@ def unsafe_reason(file_stat, dir_stat, euid, directory=False, private=False, own
     if not (S_ISDIR if directory else S_ISREG)(file_stat.st_mode):
         return f"is not a {kind}"
     if file_stat.st_uid not in (euid, owner):
-        expected = f"uid {euid} that runs this module" + (f" or uid {owner} that the run runs as"
-                                                         if owner is not None else "")
+        also = f" or uid {owner} that the run runs as" if owner is not None else ""
+        expected = f"uid {euid} that runs this module{also}"
         return f"is owned by uid {file_stat.st_uid}, not by {expected}"
     mode = S_IMODE(file_stat.st_mode)
     if private and mode & 0o077:

@@ -530,8 +530,8 @@ def provision(pct, p, check_mode, result):
     result["warnings"] = check_mounts(pct, vmid, p["mounts"], p["unprivileged"])
     wanted = wanted_config(p)
     if not exists:
-        template, _, error = pve_templates.resolve(pct, p["template"], p["template_name"],
-                                                   p["template_storage"])
+        template, _found, error = pve_templates.resolve(pct, p["template"], p["template_name"],
+                                                        p["template_storage"])
         if error and not template:
             raise CheckFailed(f"CT {vmid}: no template to create it from on node {pct.node}: {error}. Pin "
                               "one with proxmox_provision_template.")

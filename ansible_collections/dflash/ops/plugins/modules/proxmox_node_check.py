@@ -424,8 +424,8 @@ def run_checks(tools, params, check_mode):
     containers = params["containers"]
     index, index_error = pve_templates.index_names(tools)
     volumes = [template_volume(c, index, index_error) for c in containers]
-    checks += list({failed["found"]: failed for _, failed in volumes if failed}.values())
-    for template in distinct(volume for volume, _ in volumes if volume):
+    checks += list({failed["found"]: failed for _volume, failed in volumes if failed}.values())
+    for template in distinct(volume for volume, _failed in volumes if volume):
         template_check, fetched = check_template(tools, template, params["download_template"], check_mode)
         checks.append(template_check)
         downloaded = downloaded or fetched

@@ -15,6 +15,8 @@ description:
   - The run's state from its pidfile, judged as M(dflash.ops.training_run) judges it (V(running), or
     V(stopped) with RV(ended) when the pidfile names a run that ended without a stop), and the end of its
     log when it ended so.
+  - The jobs O(jobs) started beside the run (a regeneration, a feature capture) that are running, each with
+    its pid and its log's last line (how far it got).
   - The live release (where O(root)C(/current) points), the release the run was started from (the
     directory of its program), the run's C(status.json) in O(output_dir), and the GPUs O(gpus) as
     C(nvidia-smi) shows them (an error reading them is reported, not failed on).
@@ -28,6 +30,14 @@ options:
     description: Name of the run (the default paths are named after it).
     type: str
     default: main
+  jobs:
+    description:
+      - Names of jobs started like a run by M(dflash.ops.training_run), their pidfile C(<job>.pid) beside the
+        run's O(pidfile) and their log C(<job>.log) beside its O(log_path). Those running are reported in
+        RV(jobs).
+    type: list
+    elements: str
+    default: [regenerate, capture]
   pidfile:
     description: The run's pidfile. Defaults to C(/var/lib/dflash/<name>.pid).
     type: path
@@ -115,6 +125,12 @@ pidfile_unsafe:
   description: Why the pidfile is not trusted (owner, mode, directory).
   returned: when it is not
   type: str
+jobs:
+  description:
+    - The running jobs of O(jobs), each C(name), C(pid), C(started_at) and C(last) (its log's last line).
+  returned: always
+  type: list
+  elements: dict
 """
 
 import json
@@ -125,7 +141,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import RunError, inspect
-from ansible_collections.dflash.ops.plugins.module_utils.run_start import log_tail
+from ansible_collections.dflash.ops.plugins.module_utils.run_start import last_log_line, log_tail
 from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import UnsafePath, open_file
 
 ARGUMENT_SPEC = dict(
@@ -135,6 +151,7 @@ ARGUMENT_SPEC = dict(
     root=dict(type="path", default="/opt/dflash"),
     output_dir=dict(type="path", required=True),
     gpus=dict(type="list", elements="int", default=[]),
+    jobs=dict(type="list", elements="str", default=["regenerate", "capture"]),
 )
 
 
@@ -169,6 +186,20 @@ def read_gpus(indices):
     return seen["gpus"], "; ".join(seen["reasons"])
 
 
+def running_jobs(params):
+    """Each job of `jobs` whose pidfile names a live process: its name, pid, start and last log line."""
+    jobs = []
+    for name in params["jobs"]:
+        if name == params["name"]:
+            continue
+        record, verdict = inspect(os.path.join(os.path.dirname(params["pidfile"]), f"{name}.pid"))[:2]
+        if verdict == "live" and isinstance(record, dict):
+            log = os.path.join(os.path.dirname(params["log_path"]), f"{name}.log")
+            jobs.append({"name": name, "pid": record.get("pid"), "started_at": record.get("started_at", ""),
+                         "last": last_log_line(log)})
+    return jobs
+
+
 def report(params):
     record, verdict, unsafe = inspect(params["pidfile"])
     run = record if isinstance(record, dict) else {}
@@ -187,7 +218,7 @@ def report(params):
         started_by=run.get("started_by", "") if verdict == "live" else "",
         started_at=run.get("started_at", "") if verdict == "live" else "",
         boot=read_object(boot_result),
-        gpus=gpus, gpu_error=gpu_error)
+        gpus=gpus, gpu_error=gpu_error, jobs=running_jobs(params))
     if unsafe:
         result["pidfile_unsafe"] = unsafe
     return result
