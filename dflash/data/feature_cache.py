@@ -39,6 +39,8 @@ from dflash.core.target_layers import build_target_layer_ids
 
 FORMAT = "dflash-features/1"
 MANIFEST, PLAN = "manifest.json", "capture.json"
+# A cache of some rows holds them here, the data.path of a run that reads it (dflash.data.subset).
+SUBSET_FILE = "data.jsonl"
 KEY = "data.features_path"
 FEATURE_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 ELEMENT_BYTES = {"F32": 4, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
@@ -245,7 +247,7 @@ def check_identity(cfg: TrainConfig, manifest: dict, root: Path) -> None:
             else f"{subset['fraction']} of the rows"
         raise ConfigError("data.path", f"{root} holds the features of {rows} of {cfg.data.path} "
                           f"({subset['kept']} of {subset['of_rows']}), which the capture wrote to "
-                          f"{root / 'data.jsonl'}: set data.path to that file")
+                          f"{root / SUBSET_FILE}: set data.path to that file")
     if dataset["sha256"] != digest:
         raise ConfigError(KEY, f"{root} holds features of another data set ({dataset['path']}, sha256 "
                           f"{dataset['sha256'][:12]}...), not of data.path {cfg.data.path} "

@@ -18,9 +18,7 @@ import os
 from pathlib import Path
 
 from dflash.core.config import ConfigError
-from dflash.data.feature_cache import file_sha256
-
-SUBSET_FILE = "data.jsonl"
+from dflash.data.feature_cache import SUBSET_FILE, file_sha256
 
 
 def parse_rows(text: str) -> tuple[int | None, int | None]:
@@ -66,7 +64,7 @@ def write_subset(source: str | Path, out_dir: str | Path, rows: tuple[int | None
     already) and return what the cache's plan says of them."""
     total = count_rows(source)
     chosen = chosen_rows(total, rows, fraction)
-    wanted = set(chosen) if isinstance(chosen, list) else None
+    keep = chosen if isinstance(chosen, range) else set(chosen)
     dest = Path(out_dir) / SUBSET_FILE
     tmp = dest.with_name(f".{SUBSET_FILE}.tmp")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -75,7 +73,7 @@ def write_subset(source: str | Path, out_dir: str | Path, rows: tuple[int | None
         for line in src:
             if not line.strip():
                 continue
-            if (index in chosen) if wanted is None else (index in wanted):
+            if index in keep:
                 out.write(line if line.endswith(b"\n") else line + b"\n")
             index += 1
         out.flush()
