@@ -360,7 +360,7 @@ def prepare(out_dir: str | os.PathLike, spec: DemoSpec = PRESETS["default"], thr
         responses = []
         for first in range(0, len(prompts), settings.batch_size):
             responses += generate_batch(model, prompts[first: first + settings.batch_size], settings,
-                                        tokenizer.eos_token_id, tokenizer.pad_token_id)
+                                        [tokenizer.eos_token_id], tokenizer.pad_token_id)
         write_jsonl(out_dir / "data" / f"{name}.jsonl", prompts, responses)
         chats_name = "prompts.jsonl" if name == "train" else "eval_prompts.jsonl"
         (out_dir / "data" / chats_name).write_text("".join(json.dumps(c) + "\n" for c in chats))

@@ -41,26 +41,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflash.core.config import local_model_problem
+from dflash.core.config import load_config, local_model_problem, target_text_config
 from dflash.core.runtime import StopSignal
+from dflash.data.chat_prompts import (  # noqa: F401 (PromptError, read_rows: this module's API too)
+    GenerationSettings,
+    PendingPrompts,
+    PromptError,
+    answer_bound,
+    complete_rows,
+    load_tokenizer,
+    part_path,
+    parts,
+    read_chats,
+    read_rows,
+)
 from dflash.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
 from dflash.data.feature_cache import write_json
 from dflash.data.row_merge import merge_rows
 from dflash.data.target import DTYPES, load_target
 
-
-class PromptError(ValueError):
-    """A prompt line is not a chat."""
+# The prompt + answer bound without --max-length or --config: the paper's recipe's (docs/SCALE.md).
+DEFAULT_MAX_LENGTH = 3072
 
 
 class ThinkingModeError(ValueError):
@@ -72,52 +81,18 @@ class ProvenanceError(ValueError):
     """The rows the call would resume from were made with other settings than the call's."""
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 256
-    batch_size: int = 8
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], "
-                             f"got {self.temperature} and {self.top_p}")
+def end_of_text_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the target's generation config's (every one of a list, as vLLM stops at
+    each), else the tokenizer's end of text."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
 
-def _is_message(message) -> bool:
-    return (isinstance(message, dict) and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str))
-
-
-def read_chats(path: str | Path) -> list[list[dict]]:
-    """The chat of each line of `path` (blank lines count, so ids stay line indices), without a
-    trailing assistant message."""
-    chats = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            chats.append([])
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise PromptError(f"{path}:{line_no}: not JSON ({exc})") from exc
-        messages = row.get("messages") if isinstance(row, dict) else row
-        if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
-            raise PromptError(f"{path}:{line_no}: expected a list of messages with string role and content, "
-                              "or an object with one under messages")
-        if messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        chats.append(messages)
-    return chats
-
-
-def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings, eos_id: int | None,
+def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings, eos_ids: list[int],
                    pad_id: int) -> list[list[int]]:
-    """The target's response to each prompt (token ids), generated together, left-padded."""
+    """The target's response to each prompt (token ids), generated together, left-padded; each ends with
+    its first id of `eos_ids` (kept) or after settings.max_new_tokens."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -129,57 +104,19 @@ def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings
         if settings.temperature > 0 else {"do_sample": False}
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             max_new_tokens=settings.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                             **sampling)
+                             max_new_tokens=settings.max_new_tokens, eos_token_id=eos_ids or None,
+                             pad_token_id=pad_id, **sampling)
     responses = []
     for row in out[:, width:].tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
-        responses.append(row)
+        ends = [at for at, token in enumerate(row) if token in eos_ids]
+        responses.append(row[: ends[0] + 1] if ends else row)
     return responses
-
-
-def _complete_rows(path: Path):
-    """The complete rows of an output or part file, in file order; a line cut short is skipped."""
-    if not path.is_file():
-        return
-    with path.open() as lines:
-        for line in lines:
-            try:
-                row = json.loads(line)
-                int(row["id"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            yield row
-
-
-def _read_rows(path: Path) -> dict[int, dict]:
-    """Complete rows of an output or part file by id; a last line cut short is dropped."""
-    return {int(row["id"]): row for row in _complete_rows(path)}
-
-
-def _part_path(out: Path, replica: int) -> Path:
-    return out.with_name(f"{out.name}.part-{replica}")
-
-
-def _parts(out: Path) -> list[Path]:
-    """Every part file of `out`, of any replica count."""
-    return sorted(out.parent.glob(f"{glob.escape(out.name)}.part-*"))
 
 
 def parts_record_path(out: str | Path) -> Path:
     """`<out>.parts.json`: the record of an unfinished regeneration (its mode above all)."""
     out = Path(out)
     return out.with_name(f"{out.name}.parts.json")
-
-
-def load_tokenizer(target_path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
-    if not tokenizer.chat_template:
-        raise PromptError(f"the tokenizer at {target_path} has no chat template")
-    return tokenizer
 
 
 def template_takes_thinking(template: str | dict) -> bool:
@@ -222,7 +159,7 @@ def check_resume(out: Path, call: dict) -> None:
     """Refuse to resume from rows (in `out` or its parts) of another thinking mode than this call's record
     `call` gives, or of one nothing records; or made with other settings (`provenance_changes`)."""
     mode = call["enable_thinking"]
-    holders = [path for path in [out, *_parts(out)] if next(_complete_rows(path), None)]
+    holders = [path for path in [out, *parts(out)] if next(complete_rows(path), None)]
     if not holders:
         return
     record = read_record(parts_record_path(out)) or read_record(manifest_path(out))
@@ -256,31 +193,21 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
 
     out_path = Path(out)
     tokenizer = load_tokenizer(target_path)
-    template_options = {} if mode is None else {"enable_thinking": mode}
     chats = read_chats(prompts_path)
-    part = _part_path(out_path, replica)
-    done = set(_read_rows(out_path)) | set(_read_rows(part))
-    todo, too_long = [], 0
-    for index in range(replica, len(chats), replicas):
-        if index in done or not chats[index]:
-            continue
-        prompt = list(tokenizer.apply_chat_template(chats[index], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True, **template_options)["input_ids"])
-        if len(prompt) >= max_length:
-            too_long += 1
-            continue
-        todo.append((index, prompt))
+    part = part_path(out_path, replica)
+    done = set(read_rows(out_path)) | set(read_rows(part))
+    pending = PendingPrompts(tokenizer, chats, mode, max_length)
+    todo = list(pending.prompts(index for index in range(replica, len(chats), replicas) if index not in done))
+    too_long = pending.too_long
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     model = load_target(target_path, dtype, device)
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos = eos[0] if isinstance(eos, list) else eos
-    eos = tokenizer.eos_token_id if eos is None else eos
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    eos = end_of_text_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     bar = tqdm(total=len(todo), desc=f"replica {replica}", position=replica, disable=not progress,
                unit="prompt")
     # Rows that lost their line end to a kill are dropped on reading; rewrite the part without them.
-    kept = _read_rows(part)
+    kept = read_rows(part)
     part.write_text("".join(json.dumps(row) + "\n" for row in kept.values()))
     started, reported, written, stopped = time.monotonic(), 0, 0, False
     with part.open("a") as sink:
@@ -290,7 +217,7 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
                 break
             batch = todo[first: first + settings.batch_size]
             torch.manual_seed(settings.seed + batch[0][0])
-            budget = min(settings.max_new_tokens, max_length - max(len(p) for _, p in batch))
+            budget = answer_bound(settings, max_length, max(len(p) for _, p in batch))
             responses = generate_batch(model, [p for _, p in batch],
                                        GenerationSettings(budget, settings.batch_size, settings.temperature,
                                                           settings.top_p, settings.seed), eos, pad)
@@ -320,7 +247,7 @@ def merge(out: str | Path, replicas: int) -> int:
     """Write every row (from `out` and the parts) to `out` by id, atomically, in memory that grows with the
     row count alone (`dflash.data.row_merge`); remove the parts."""
     out = Path(out)
-    parts = [_part_path(out, r) for r in range(replicas)]
+    parts = [part_path(out, r) for r in range(replicas)]
     total = merge_rows([out, *parts], out)
     for part in parts:
         part.unlink(missing_ok=True)
@@ -328,13 +255,15 @@ def merge(out: str | Path, replicas: int) -> int:
 
 
 def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings, device: str = "cpu",
-               replicas: int = 1, dtype: str = "float32", max_length: int = 4096,
+               replicas: int = 1, dtype: str = "float32", max_length: int | None = None,
                progress: bool = False, enable_thinking: bool = False, progress_every: int = 0,
-               stop: StopSignal | None = None) -> dict:
+               stop: StopSignal | None = None, engine: str = "hf", engine_python: str | None = None,
+               tensor_parallel: int = 1) -> dict:
     """Regenerate the responses of `prompts` with `replicas` target replicas, in the thinking mode
     `enable_thinking` where the chat template takes one; returns a summary. Once `stop` is requested the
-    replicas stop between two batches: their rows stay in the parts for the next call, nothing is merged
-    and the summary says `stopped`."""
+    replicas stop (between two batches in process): their rows stay in the parts for the next call, nothing
+    is merged and the summary says `stopped`. `engine` vllm runs in processes of `engine_python` (vLLM's
+    venv); hf runs in this process, or in processes of `engine_python` where it is given."""
     started = time.monotonic()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     # Bad prompts, a mode the template cannot take or another mode than the rows there fail here,
@@ -342,16 +271,32 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
     problem = local_model_problem(target, "--target")
     if problem:
         raise ValueError(f"--target: {problem}")
+    positions = target_text_config(target).get("max_position_embeddings")
+    positions = positions if isinstance(positions, int) else None
+    if max_length is None:  # the recipe's bound, within the target's positions
+        max_length = min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
+    if positions and max_length > positions:
+        raise ValueError(f"--max-length {max_length} is over the target's max_position_embeddings "
+                         f"({positions}): "
+                         f"its positions beyond were never trained; give --max-length {positions} or less")
     read_chats(prompts)
     mode, takes = thinking_mode(target, enable_thinking)
     record = {"format": FORMAT, "target": str(target), "prompts": str(prompts), "enable_thinking": mode,
               "template_takes_thinking": takes,
-              "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype}}
+              "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype,
+                             "engine": engine}}
     check_resume(Path(out), record)
+    if engine == "vllm" and not engine_python:
+        raise ValueError("the vllm engine needs the python of vLLM's venv (engine_python)")
     write_json(parts_record_path(out), record)
     args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode,
             progress_every)
-    if replicas == 1:
+    if engine_python:
+        from dflash.data.regenerate_engine import run_on_engines
+
+        counts = run_on_engines(engine_python, engine, replicas, target, prompts, out, device, dtype,
+                                settings, max_length, mode, progress_every, tensor_parallel, stop)
+    elif replicas == 1:
         counts = run_replica(0, *args, stop=stop)
     else:
         import torch.multiprocessing as mp
@@ -378,17 +323,19 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
         counts = {}
     seconds = round(time.monotonic() - started, 1)
     if counts.get("stopped") or (stop is not None and stop.requested):
-        done = len(_read_rows(Path(out))) + sum(len(_read_rows(part)) for part in _parts(Path(out)))
+        done = len(read_rows(Path(out))) + sum(len(read_rows(part)) for part in parts(Path(out)))
         return {**counts, "stopped": True, "rows": done, "of": sum(1 for chat in read_chats(prompts) if chat),
                 "replicas": replicas, "enable_thinking": mode, "seconds": seconds}
     total = merge(out, replicas)
     write_json(manifest_path(out), {**record, "rows": total})
-    if not _parts(Path(out)):  # parts of another replica count keep their record
+    if not parts(Path(out)):  # parts of another replica count keep their record
         parts_record_path(out).unlink(missing_ok=True)
     return {**counts, "rows": total, "replicas": replicas, "enable_thinking": mode, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash.data.regenerate_engine import ENGINE_PYTHON_ENV, resolve_engine
+
     parser = argparse.ArgumentParser(
         prog="python -m dflash.data regenerate",
         description="Answer a prompt set with the target (its chat template, its own responses) and write "
@@ -406,10 +353,28 @@ def main(argv: list[str] | None = None) -> int:
                              "what the public Qwen3 DFlash drafters are trained on): the run's "
                              "data.enable_thinking must match it. A template without the toggle is given "
                              "nothing and the mode recorded is null; true is then an error")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
-    parser.add_argument("--max-length", type=int, default=4096,
-                        help="prompt + response limit; longer prompts are skipped (default 4096)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts answered together (default 8)")
+    parser.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                        help="vllm: vLLM's offline engine (continuous batching, paged KV cache) in processes "
+                             "of its venv's python; hf: transformers' generate on static batches, in this "
+                             "process (slow: a fallback). auto (default): vllm where it is installed "
+                             f"(--engine-python, this python, ${ENGINE_PYTHON_ENV}), else hf")
+    parser.add_argument("--engine-python", metavar="PYTHON",
+                        help="the python of the venv vLLM is installed in (the env role's "
+                             "dflash_env_engine_venv); with --engine hf, transformers runs in processes "
+                             "of it")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="vllm on cuda: GPUs per engine, for a target that needs more than one "
+                             "(default 1: one engine per GPU, each on its share of the prompts)")
+    parser.add_argument("--config", metavar="RUN.yaml",
+                        help="the run's config: its data.max_length is the default --max-length")
+    parser.add_argument("--max-length", type=int,
+                        help="prompt + answer limit: an answer ends at it, a longer prompt is skipped and "
+                             "counted (default: the --config's data.max_length, else "
+                             f"{DEFAULT_MAX_LENGTH} or the "
+                             "target's max_position_embeddings where that is less)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="answer length limit below the room --max-length leaves (default: none)")
+    parser.add_argument("--batch-size", type=int, default=8, help="hf: prompts answered together (default 8)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when sampling (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -417,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu (default) or cuda: one target replica per visible GPU")
     parser.add_argument("--replicas", type=int,
                         help="target replicas (default: 1 on cpu, every visible GPU on cuda)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="target dtype (default bfloat16, what the target is served in: its answers)")
     parser.add_argument("--threads", type=int, help="torch threads per replica on cpu")
     parser.add_argument("--progress-every", type=int, default=100, metavar="N",
                         help='a {"event": "progress"} line on stdout (rows written, of, rows/s, ETA) each '
@@ -425,20 +391,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    replicas = args.replicas or (torch.cuda.device_count() if args.device == "cuda" else 1)
     stop = StopSignal().install()  # SIGTERM/SIGINT: stop between two batches, keep the rows, exit 0
     try:
-        if args.device == "cuda" and not 1 <= replicas <= torch.cuda.device_count():
-            raise ValueError(f"--device cuda: {replicas} replicas for {torch.cuda.device_count()} "
+        max_length = args.max_length or (load_config(args.config, check_target=False).data.max_length
+                                         if args.config else None)
+        engine, python, why = resolve_engine(args.engine, args.engine_python)
+        tensor_parallel = args.tensor_parallel_size if engine == "vllm" else 1
+        if tensor_parallel < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        replicas = args.replicas or (gpus // tensor_parallel if args.device == "cuda" else 1)
+        print(json.dumps({"event": "engine", "engine": engine, "python": python, "why": why,
+                          "replicas": replicas}), flush=True)
+        if args.device == "cuda" and not 1 <= replicas * tensor_parallel <= gpus:
+            raise ValueError(f"--device cuda: {replicas} replicas of {tensor_parallel} GPUs for {gpus} "
                              "visible GPUs")
         if replicas < 1:
             raise ValueError("--replicas must be >= 1")
         settings = GenerationSettings(args.max_new_tokens, args.batch_size, args.temperature, args.top_p,
                                       args.seed)
         summary = regenerate(args.target, args.prompts, args.out, settings, args.device, replicas, args.dtype,
-                             args.max_length, progress=sys.stderr.isatty(),
+                             max_length, progress=sys.stderr.isatty(),
                              enable_thinking=args.enable_thinking == "true",
-                             progress_every=max(0, args.progress_every), stop=stop)
+                             progress_every=max(0, args.progress_every), stop=stop, engine=engine,
+                             engine_python=python, tensor_parallel=tensor_parallel)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

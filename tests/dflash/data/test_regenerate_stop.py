@@ -67,6 +67,7 @@ def test_sigterm_says_where_it_stopped_and_exits_0(target, tmp_path):
                "--out", str(out), "--max-new-tokens", "3", "--batch-size", "1", "--progress-every", "1"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert json.loads(process.stdout.readline())["event"] == "engine"
     first = json.loads(process.stdout.readline())
     assert first["event"] == "progress"
     process.send_signal(signal.SIGTERM)
