@@ -21,7 +21,7 @@ RELIABILITY_WORKERS ?= 3
 RELIABILITY_LONG := tests/reliability/test_decoys.py tests/reliability/test_killed_deploys.py \
   tests/reliability/test_concurrent_restarts.py
 
-.PHONY: help setup peer-suites compat-venv serve-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check regenerate-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -55,6 +55,12 @@ compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export
 serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export served by vLLM (heavy).
 	@python3 scripts/serve_venv.py
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
+
+# Regeneration on vLLM (`dflash.data regenerate --engine vllm`) in the same venv: its greedy rows against the
+# transformers path's, and an engine killed mid-job then resumed (tests/serving/test_vllm_regenerate.py).
+regenerate-check: setup ## Build .cache/serve-venv and check regeneration on vLLM's CPU engine (heavy).
+	@python3 scripts/serve_venv.py
+	$(PY) -m pytest -m serve tests/serving/test_vllm_regenerate.py $(PYTEST_ARGS)
 
 # The first real run's layout at Qwen3-8B's width on CPU (1 target, 2 drafters, ~15 GiB, minutes), each rank's
 # peak memory beside dflash.training.memory_fit's prediction (BENCHMARKS.md section 13). Heavy: not in make test.

@@ -3,7 +3,8 @@
 
 Reads requests on stdin, one JSON line each, `{"id": <prompt index>, "prompt": [token ids], "max_tokens":
 N, "seed": S}` (end of input: no more), and writes on stdout `{"id": ..., "response": [token ids]}` for each
-as it finishes, in the order they finish, then `{"event": "done"}` once every request is answered. The
+as it finishes, in the order they finish: `{"event": "ready"}` first, once the engine is built, and
+`{"event": "done"}` last, once every request is answered. The
 engine's own log goes to stderr, and so does what it prints on stdout. A request the engine refuses is
 answered `{"id": ..., "skipped": reason}`.
 
@@ -55,6 +56,7 @@ def run_vllm(args, requests: queue.Queue) -> None:
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
               disable_log_stats=True)
     engine = llm.llm_engine
+    emit({"event": "ready"})
     inflight: dict[str, int] = {}
     more = True
     while more or inflight:
@@ -95,6 +97,7 @@ def run_hf(args, requests: queue.Queue) -> None:
     tokenizer = load_tokenizer(args.target)
     eos = end_of_text_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    emit({"event": "ready"})
     more = True
     while more:
         batch = []

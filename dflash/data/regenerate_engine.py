@@ -171,7 +171,7 @@ def run_engines(engines: list[Engine], feeders: list, total: int, progress_every
     for engine in engines:
         os.set_blocking(engine.process.stdout.fileno(), False)
         selector.register(engine.process.stdout, selectors.EVENT_READ, engine)
-    started, reported, written, tokens = time.monotonic(), 0, 0, 0
+    started, reported, written, tokens, ready = time.monotonic(), 0, 0, 0, None
     try:
         while selector.get_map():
             if stop is not None and stop.requested:
@@ -195,6 +195,8 @@ def run_engines(engines: list[Engine], feeders: list, total: int, progress_every
                             engine.skipped.append(record)
                         elif record.get("event") == "done":
                             engine.done = True
+                        elif record.get("event") == "ready":
+                            ready = time.monotonic()  # the last engine's: generation starts there
                     continue
                 selector.unregister(engine.process.stdout)  # end of output: the engine ended
                 code = engine.process.wait()
@@ -217,8 +219,9 @@ def run_engines(engines: list[Engine], feeders: list, total: int, progress_every
         selector.close()
         for feeder in feeders:
             feeder.join(timeout=STOP_GRACE_S)
-    return {"generated": written, "output_tokens": tokens,
-            "tokens_per_s": round(tokens / max(time.monotonic() - started, 1e-9), 1),
+    generating = time.monotonic() - (ready or started)
+    return {"generated": written, "output_tokens": tokens, "generation_seconds": round(generating, 2),
+            "tokens_per_s": round(tokens / max(generating, 1e-9), 1),
             "skipped_by_engine": sum(len(engine.skipped) for engine in engines)}
 
 
