@@ -36,6 +36,7 @@ def regenerate(target: Path, prompts: Path, out: Path, mode: str) -> Path:
     if not out.is_file():
         run([sys.executable, "-m", "dflash.data", "regenerate", "--target", str(target), "--prompts",
              str(prompts), "--out", str(out), "--enable-thinking", mode, "--max-new-tokens", str(NEW_TOKENS),
+             "--engine", "hf", "--dtype", "float32",
              "--batch-size", "32", "--threads", "1"])
     return out
 

@@ -2,7 +2,9 @@
 `python -m dflash.data regenerate --target DIR --prompts PROMPTS.jsonl --out TRAIN.jsonl`.
 
 A drafter learns to predict the target, so its training responses are the target's own (the
-paper regenerates every response). Each prompt line is a chat, `{"messages": [{"role", "content"},
+paper regenerates every response). `--engine vllm` answers on vLLM's engine in processes of its own venv
+(`dflash.data.regenerate_engine`, docs/PIPELINE.md); this module holds the command, the resume and
+provenance rules every engine shares, and the transformers path (`--engine hf`) described here. Each prompt line is a chat, `{"messages": [{"role", "content"},
 ...]}` or the bare list; a trailing assistant message is dropped (its answer is what is regenerated).
 The chat goes through the target tokenizer's chat template with the generation prompt, the target
 answers in batches (left-padded; greedy, or sampled with `--temperature`/`--top-p`), and each row
