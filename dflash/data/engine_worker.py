@@ -16,10 +16,10 @@ answered `{"id": ..., "skipped": reason}`.
 - `hf`: transformers' `generate` on static batches of `--batch-size` (`dflash.data.regenerate`'s
   batches), answers written per batch: the same protocol without vLLM.
 
-Greedy at temperature 0, else sampled with the request's seed (vLLM: per request, so an answer does not
-depend on what it was batched with). The answer ends with the target's end of text (kept) or after
-`max_tokens`. SIGTERM ends the process: what it has written is kept by the parent, the rest is asked
-again by the next call.
+Greedy at temperature 0, else sampled with the request's seed (vLLM on a GPU: per request, so an answer
+does not depend on what it was batched with; on CPU vLLM takes none, and its engine's seed is the one).
+The answer ends with the target's end of text (kept) or after `max_tokens`. SIGTERM ends the process:
+what it has written is kept by the parent, the rest is asked again by the next call.
 """
 
 from __future__ import annotations
@@ -51,11 +51,15 @@ def emit(record: dict) -> None:
 def run_vllm(args, requests: queue.Queue) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
 
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_length, seed=args.seed,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
               disable_log_stats=True)
     engine = llm.llm_engine
+    # vLLM's CPU sampler takes no seed per request ("CPU Generator does not use offset"): there the engine's
+    # seed alone makes a sampled run repeatable, given the same prompts in the same order.
+    seeded = args.temperature > 0 and not current_platform.is_cpu()
     emit({"event": "ready"})
     inflight: dict[str, int] = {}
     more = True
@@ -70,7 +74,7 @@ def run_vllm(args, requests: queue.Queue) -> None:
                 more = False
                 break
             params = SamplingParams(max_tokens=request["max_tokens"], temperature=args.temperature,
-                                    top_p=args.top_p, seed=request["seed"] if args.temperature > 0 else None)
+                                    top_p=args.top_p, seed=request["seed"] if seeded else None)
             try:
                 # Outputs carry the id given here (the engine's own, returned, has a suffix).
                 engine.add_request(str(request["id"]), TokensPrompt(prompt_token_ids=request["prompt"]),

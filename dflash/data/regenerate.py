@@ -4,8 +4,9 @@
 A drafter learns to predict the target, so its training responses are the target's own (the
 paper regenerates every response). `--engine vllm` answers on vLLM's engine in processes of its own venv
 (`dflash.data.regenerate_engine`, docs/PIPELINE.md); this module holds the command, the resume and
-provenance rules every engine shares, and the transformers path (`--engine hf`) described here. Each prompt line is a chat, `{"messages": [{"role", "content"},
-...]}` or the bare list; a trailing assistant message is dropped (its answer is what is regenerated).
+provenance rules every engine shares, and the transformers path (`--engine hf`) described here.
+Each prompt line is a chat, `{"messages": [{"role", "content"}, ...]}` or the bare list; a trailing
+assistant message is dropped (its answer is what is regenerated).
 The chat goes through the target tokenizer's chat template with the generation prompt, the target
 answers in batches (left-padded; greedy, or sampled with `--temperature`/`--top-p`), and each row
 of the output is `{"id": <prompt line index>, "input_ids": chat + response, "loss_mask": 0 on the
@@ -102,7 +103,8 @@ def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         attention[row, width - len(prompt):] = 1
     device = model.get_input_embeddings().weight.device
-    sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p} \
+    # top_k 0: no top-k cut (generate's default is 50), as vLLM samples: temperature and top-p alone.
+    sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0} \
         if settings.temperature > 0 else {"do_sample": False}
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
@@ -387,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="target dtype (default bfloat16, what the target is served in: its answers)")
     parser.add_argument("--threads", type=int, help="torch threads per replica on cpu")
+    parser.add_argument("--status-file", metavar="PATH",
+                        help='the job\'s state, as a run\'s status.json says it: {"state": "running"}, then '
+                             '"stopped" with its stop_reason ("finished", or "signal SIGTERM" for a stop), '
+                             'or "failed" with its error (a boot starts a job again that did not end by '
+                             'itself)')
     parser.add_argument("--progress-every", type=int, default=100, metavar="N",
                         help='a {"event": "progress"} line on stdout (rows written, of, rows/s, ETA) each '
                              "time a replica has written N more rows (default 100; 0: none)")
@@ -394,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     stop = StopSignal().install()  # SIGTERM/SIGINT: stop between two batches, keep the rows, exit 0
+
+    def state(**fields) -> None:
+        if args.status_file:
+            write_json(args.status_file, {**fields, "pid": os.getpid(), "out": args.out,
+                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
     try:
+        state(state="running")
         max_length = args.max_length or (load_config(args.config, check_target=False).data.max_length
                                          if args.config else None)
         engine, python, why = resolve_engine(args.engine, args.engine_python)
@@ -419,14 +433,18 @@ def main(argv: list[str] | None = None) -> int:
                              engine_python=python, tensor_parallel=tensor_parallel)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
+        state(state="failed", error=str(err).splitlines()[0])
         return 2
     finally:
         stop.restore()
     if summary.get("stopped"):
-        print(json.dumps({"event": "stopped", "out": args.out, "signal": stop.signal_name, **summary}))
-        print(f"dflash.data regenerate: stopped by {stop.signal_name}: {summary['rows']} of {summary['of']} "
+        signal_name = summary.pop("signal", None) or stop.signal_name
+        print(json.dumps({"event": "stopped", "out": args.out, "signal": signal_name, **summary}))
+        print(f"dflash.data regenerate: stopped by {signal_name}: {summary['rows']} of {summary['of']} "
               f"prompts have their row (kept in {args.out} and its parts); run the same command again to "
               "go on", file=sys.stderr)
+        state(state="stopped", stop_reason=f"signal {signal_name}", rows=summary["rows"], of=summary["of"])
         return 0
     print(json.dumps({"event": "regenerated", "out": args.out, **summary}))
+    state(state="stopped", stop_reason="finished", rows=summary["rows"])
     return 0

@@ -200,6 +200,10 @@ def run_engines(engines: list[Engine], feeders: list, total: int, progress_every
                     continue
                 selector.unregister(engine.process.stdout)  # end of output: the engine ended
                 code = engine.process.wait()
+                if code in (-signal.SIGTERM, -signal.SIGINT):  # stopped as a job is (a shutdown): not a fault
+                    end_engines(engines)
+                    return {"generated": written, "output_tokens": tokens, "stopped": True,
+                            "signal": signal.Signals(-code).name}
                 if not engine.done or code != 0:
                     end_engines(engines)
                     raise EngineError(

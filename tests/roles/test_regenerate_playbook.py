@@ -6,6 +6,7 @@ and waits for it saying how far it got."""
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,9 @@ from tests.waiting import wait_for
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 OUT = "/root/regenerated.jsonl"
+PIDFILE = "/var/lib/dflash/regenerate.pid"
+BOOT_RESULT = "/var/lib/dflash/regenerate.boot-result.json"
+BOOT_DEVICES = Path(__file__).parents[1] / "reliability" / "playbooks" / "boot_devices.yml"
 PROMPTS = "/root/prompts.jsonl"  # the container's own /root
 
 
@@ -113,3 +117,41 @@ def test_a_job_that_returns_at_once_is_resumed_after_a_stop_and_waited_for_with_
     assert sorted(r["id"] for r in rows) == list(range(len(lines)))
     finished = json.loads(fleet.read(200, log).splitlines()[-1])
     assert finished["event"] == "regenerated" and finished["skipped_done"] == stopped[0]["rows"], finished
+
+
+# Under make test-reliability only (a node's reboot, a minute or two): make test keeps the boot resumer's
+# rules through tests/modules/test_run_resume.py and the job's stop and resume above. Last in the file: it
+# reboots the module's node.
+@pytest.mark.reliability_full
+def test_a_job_live_at_a_node_reboot_starts_again_at_the_containers_boot_and_finishes(fleet):
+    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
+    text = "".join(line + "\n" for line in lines)
+    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}.boot").returncode == 0
+    out = f"{OUT}.boot"
+    job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
+    args = ["-e", f"dflash_regenerate_prompts={PROMPTS}.boot", "-e", f"dflash_regenerate_out={out}",
+            "-e", json.dumps({"dflash_regenerate_args": job})]
+    fleet.node_sh(200, "pct set 200 --onboot 1")
+    assert fleet.play(str(BOOT_DEVICES)).rc == 0
+    started = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_wait=false")
+    assert started.rc == 0, started.messages()
+    before = json.loads(fleet.read(200, PIDFILE))
+    assert wait_for(lambda: fleet.read(200, f"{out}.part-0"), timeout=120)  # rows written before the reboot
+    log = fleet.sim.reboot_node("pve1")
+    assert "Starting CT 200" in log, log
+
+    def booted():
+        record = json.loads(fleet.read(200, PIDFILE) or "{}")
+        return record if record.get("started_by") == "boot" and record.get("start_time") != before.get(
+            "start_time") else None
+    assert wait_for(booted, timeout=180, interval=1), fleet.read(200, BOOT_RESULT)
+    result = json.loads(fleet.read(200, BOOT_RESULT))
+    assert result["outcome"] == "resumed", result
+    # The playbook run again waits for the job the boot started, which goes on from the rows kept.
+    done = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_poll=1")
+    assert done.rc == 0, done.messages()
+    rows = [json.loads(line) for line in fleet.read(200, out).splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(len(lines)))
+    finished = json.loads(fleet.read(200, "/var/log/dflash/regenerate.log").splitlines()[-1])
+    assert finished["event"] == "regenerated" and finished["skipped_done"] > 0, finished
+    assert json.loads(fleet.read(200, f"{out}.status.json"))["stop_reason"] == "finished"
