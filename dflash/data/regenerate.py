@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def state(**fields) -> None:
         if args.status_file:
-            write_json(args.status_file, {**fields, "pid": os.getpid(), "out": args.out,
+            write_json(Path(args.status_file), {**fields, "pid": os.getpid(), "out": args.out,
                                           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
     try:

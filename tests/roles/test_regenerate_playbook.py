@@ -131,12 +131,13 @@ def test_a_job_live_at_a_node_reboot_starts_again_at_the_containers_boot_and_fin
     job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
     args = ["-e", f"dflash_regenerate_prompts={PROMPTS}.boot", "-e", f"dflash_regenerate_out={out}",
             "-e", json.dumps({"dflash_regenerate_args": job})]
-    fleet.node_sh(200, "pct set 200 --onboot 1")
+    assert fleet.sim.ssh(fleet.sim.node_of(200).name, "pct set 200 --onboot 1").returncode == 0
     assert fleet.play(str(BOOT_DEVICES)).rc == 0
     started = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_wait=false")
     assert started.rc == 0, started.messages()
     before = json.loads(fleet.read(200, PIDFILE))
-    assert wait_for(lambda: fleet.read(200, f"{out}.part-0"), timeout=120)  # rows written before the reboot
+    assert wait_for(lambda: fleet.read(200, f"{out}.part-0"), timeout=120), (  # rows before the reboot
+        fleet.read(200, "/var/log/dflash/regenerate.log"), fleet.read(200, f"{out}.status.json"))
     log = fleet.sim.reboot_node("pve1")
     assert "Starting CT 200" in log, log
 

@@ -89,10 +89,13 @@ def test_an_engine_killed_mid_job_ends_the_call_clearly_and_the_next_call_resume
 
 def test_a_stop_ends_the_engine_keeps_the_rows_and_exits_0(target, tmp_path):
     prompts, out = write_prompts(tmp_path / "prompts.jsonl", 400), tmp_path / "train.jsonl"
+    status = tmp_path / "job.status.json"
     process = subprocess.Popen(cli(target, prompts, out, "--engine", "hf", "--engine-python", sys.executable,
-                                   "--batch-size", "1", "--max-new-tokens", "3", "--progress-every", "1"),
+                                   "--batch-size", "1", "--max-new-tokens", "3", "--progress-every", "1",
+                                   "--status-file", str(status)),
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     lines_until(process, "progress")
+    assert json.loads(status.read_text())["state"] == "running"
     [engine] = engine_pids(process.pid)
     process.send_signal(signal.SIGTERM)
     rest, err = process.communicate(timeout=120)
@@ -101,6 +104,8 @@ def test_a_stop_ends_the_engine_keeps_the_rows_and_exits_0(target, tmp_path):
     assert stopped["event"] == "stopped" and 1 <= stopped["rows"] < 400
     assert len(read_rows(out.with_name("train.jsonl.part-0"))) == stopped["rows"]
     assert not Path(f"/proc/{engine}").exists()  # reaped: no engine left behind
+    # What a container's boot reads: stopped by a signal, so started again (a run's status.json rules).
+    assert json.loads(status.read_text())["stop_reason"] == "signal SIGTERM"
 
 
 def test_a_prompt_over_the_bound_is_skipped_and_counted(target, tmp_path):
@@ -121,19 +126,23 @@ def test_refusals_come_before_anything_is_written(target, tmp_path):
                              cwd=REPO, capture_output=True, text=True, env=ENV, timeout=120)
     assert no_vllm.returncode == 2 and f"--engine vllm: no vLLM in {sys.executable}" in no_vllm.stderr
     positions = json.loads((Path(target) / "config.json").read_text())["max_position_embeddings"]
-    too_long = subprocess.run(cli(target, prompts, out, "--engine", "hf")[:-2] + ["--max-length",
-                                                                               str(positions + 1)],
+    status = tmp_path / "status.json"
+    too_long = subprocess.run(cli(target, prompts, out, "--engine", "hf")[:-2]
+                              + ["--max-length", str(positions + 1), "--status-file", str(status)],
                               cwd=REPO, capture_output=True, text=True, env=ENV, timeout=120)
     assert too_long.returncode == 2
     assert f"--max-length {positions + 1} is over the target's max_position_embeddings ({positions})" \
         in too_long.stderr
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["prompts.jsonl"]
+    failed = json.loads(status.read_text())  # a failed job: a container's boot leaves it so
+    assert failed["state"] == "failed" and "--max-length" in failed["error"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["prompts.jsonl", "status.json"]
 
 
 @pytest.mark.parametrize("given", [None, "hf"])
 def test_auto_without_vllm_is_transformers_and_says_so(target, tmp_path, given):
     prompts, out = write_prompts(tmp_path / "prompts.jsonl", 2), tmp_path / "train.jsonl"
-    extra = ["--engine", given] if given else []
+    status = tmp_path / "status.json"
+    extra = (["--engine", given] if given else []) + ["--status-file", str(status)]
     env = {key: value for key, value in ENV.items() if key != "DFLASH_VLLM_PYTHON"}
     done = subprocess.run(cli(target, prompts, out, "--max-new-tokens", "2", *extra), cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=120)
@@ -141,3 +150,4 @@ def test_auto_without_vllm_is_transformers_and_says_so(target, tmp_path, given):
     first = json.loads(done.stdout.splitlines()[0])
     assert first["event"] == "engine" and first["engine"] == "hf" and first["python"] is None
     assert ("no vLLM in" in first["why"]) == (given is None)
+    assert json.loads(status.read_text())["stop_reason"] == "finished"
