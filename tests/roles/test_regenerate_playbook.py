@@ -31,6 +31,19 @@ def fleet(tmp_path_factory):
     f.down()
 
 
+def long_job(fleet, name):
+    """Every demo prompt in the container, answered a row at a time: (the prompts, the output, the
+    playbook's -e arguments for it)."""
+    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
+    text = "".join(line + "\n" for line in lines)
+    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}.{name}").returncode == 0
+    out = f"{OUT}.{name}"
+    job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
+    return lines, out, ["-e", f"dflash_regenerate_prompts={PROMPTS}.{name}",
+                        "-e", f"dflash_regenerate_out={out}",
+                        "-e", json.dumps({"dflash_regenerate_args": job})]
+
+
 def test_regenerate_writes_the_targets_answers_in_the_container(fleet):
     lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
     prompts = [json.loads(line) for line in lines[:6]]
@@ -87,13 +100,7 @@ def test_an_output_on_a_read_only_mount_is_refused_before_anything_starts(fleet)
 
 
 def test_a_job_that_returns_at_once_is_resumed_after_a_stop_and_waited_for_with_its_progress(fleet):
-    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
-    text = "".join(line + "\n" for line in lines)
-    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}.all").returncode == 0
-    out = f"{OUT}.long"
-    job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
-    args = ["-e", f"dflash_regenerate_prompts={PROMPTS}.all", "-e", f"dflash_regenerate_out={out}",
-            "-e", json.dumps({"dflash_regenerate_args": job})]
+    lines, out, args = long_job(fleet, "long")
     log = "/var/log/dflash/regenerate.log"
     earlier = len(fleet.read(200, log) or "")  # the log of the jobs before this one
 
@@ -124,13 +131,7 @@ def test_a_job_that_returns_at_once_is_resumed_after_a_stop_and_waited_for_with_
 # reboots the module's node.
 @pytest.mark.reliability_full
 def test_a_job_live_at_a_node_reboot_starts_again_at_the_containers_boot_and_finishes(fleet):
-    lines = (fleet.assets / "data" / "prompts.jsonl").read_text().splitlines()
-    text = "".join(line + "\n" for line in lines)
-    assert fleet.ct(200, f"printf %s {shlex.quote(text)} > {PROMPTS}.boot").returncode == 0
-    out = f"{OUT}.boot"
-    job = ["--max-new-tokens", "24", "--batch-size", "1", "--threads", "1", "--progress-every", "1"]
-    args = ["-e", f"dflash_regenerate_prompts={PROMPTS}.boot", "-e", f"dflash_regenerate_out={out}",
-            "-e", json.dumps({"dflash_regenerate_args": job})]
+    lines, out, args = long_job(fleet, "boot")
     assert fleet.sim.ssh(fleet.sim.node_of(200).name, "pct set 200 --onboot 1").returncode == 0
     assert fleet.play(str(BOOT_DEVICES)).rc == 0
     started = fleet.play("regenerate_data.yml", *args, "-e", "dflash_regenerate_wait=false")

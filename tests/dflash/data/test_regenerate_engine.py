@@ -17,9 +17,7 @@ import pytest
 
 from dflash.data.data_manifest import manifest_path
 from dflash.data.regenerate import GenerationSettings, parts_record_path, read_rows, regenerate
-from tests.dflash.conftest import make_tiny_target
-from tests.dflash.data.test_regenerate_stop import REPO, write_prompts
-from tests.dflash.data.test_regenerate_thinking import QWEN3_LIKE, save_chat_tokenizer
+from tests.dflash.data.test_regenerate_stop import REPO, chat_target, write_prompts
 
 SETTINGS = GenerationSettings(4, batch_size=2)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -27,10 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("regenerate-engine") / "target"
-    make_tiny_target(path)
-    save_chat_tokenizer(path, QWEN3_LIKE)
-    return str(path)
+    return chat_target(tmp_path_factory.mktemp("regenerate-engine"))
 
 
 def cli(target: str, prompts: str, out: Path, *extra: str) -> list[str]:

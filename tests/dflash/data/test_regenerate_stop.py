@@ -20,12 +20,17 @@ from tests.dflash.data.test_regenerate_thinking import QWEN3_LIKE, save_chat_tok
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("regenerate-stop") / "target"
+def chat_target(directory: Path) -> str:
+    """A tiny target with a Qwen3-like chat template, at `directory`/target."""
+    path = directory / "target"
     make_tiny_target(path)
     save_chat_tokenizer(path, QWEN3_LIKE)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return chat_target(tmp_path_factory.mktemp("regenerate-stop"))
 
 
 def write_prompts(path: Path, n: int) -> str:
