@@ -57,10 +57,11 @@ serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
 
 # Regeneration on vLLM (`dflash.data regenerate --engine vllm`) in the same venv: its greedy rows against the
-# transformers path's, and an engine killed mid-job then resumed (tests/serving/test_vllm_regenerate.py).
+# transformers path's, an engine killed mid-job then resumed (tests/serving/test_vllm_regenerate.py), and
+# regenerate_data.yml on it in a pvesim container (tests/serving/test_vllm_regenerate_playbook.py).
 regenerate-check: setup ## Build .cache/serve-venv and check regeneration on vLLM's CPU engine (heavy).
 	@python3 scripts/serve_venv.py
-	$(PY) -m pytest -m serve tests/serving/test_vllm_regenerate.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m serve tests/serving/test_vllm_regenerate.py tests/serving/test_vllm_regenerate_playbook.py $(PYTEST_ARGS)
 
 # The first real run's layout at Qwen3-8B's width on CPU (1 target, 2 drafters, ~15 GiB, minutes), each rank's
 # peak memory beside dflash.training.memory_fit's prediction (BENCHMARKS.md section 13). Heavy: not in make test.
