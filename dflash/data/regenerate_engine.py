@@ -154,6 +154,18 @@ def end_engines(engines: list[Engine]) -> None:
             engine.process.wait()
 
 
+def reap(engine: Engine) -> int:
+    """The engine's exit status, once what is left of its process group (an engine's own processes, which
+    outlive it when it is killed) had SIGTERM: sent while its exited leader is not yet reaped, so that the
+    group's id is still the engine's."""
+    os.waitid(os.P_PID, engine.process.pid, os.WEXITED | os.WNOWAIT)
+    try:
+        os.killpg(engine.process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # the group ended with it
+    return engine.process.wait()
+
+
 def exit_words(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -199,7 +211,7 @@ def run_engines(engines: list[Engine], feeders: list, total: int, progress_every
                             ready = time.monotonic()  # the last engine's: generation starts there
                     continue
                 selector.unregister(engine.process.stdout)  # end of output: the engine ended
-                code = engine.process.wait()
+                code = reap(engine)
                 if code in (-signal.SIGTERM, -signal.SIGINT):  # stopped as a job is (a shutdown): not a fault
                     end_engines(engines)
                     return {"generated": written, "output_tokens": tokens, "stopped": True,

@@ -4,9 +4,9 @@
 - Faithful: in float32, greedy, vLLM's rows equal the transformers path's token for token on at least 90 % of
   the prompts (the rate is printed: where they differ, it is the first near-tie of two logits that the two
   kernels' sums break differently).
-- Faults: the engine's deepest process killed mid-job (what an out-of-memory kill takes) ends the call with
-  exit 2 and the engine's exit, no process of the engine left, the rows written kept; the same command then
-  finishes, rows equal to an uninterrupted run's.
+- Faults: the engine's process killed mid-job (SIGKILL, as an out-of-memory kill does) ends the call with
+  exit 2 and the engine's exit, no process of the engine's group left (vLLM's own engine core and workers),
+  the rows written kept; the same command then finishes, rows equal to an uninterrupted run's.
 Marked `serve` (two engine starts of a minute or more each): `make regenerate-check`, and `make serve-check`.
 """
 
@@ -88,12 +88,13 @@ def test_a_killed_engine_worker_ends_the_call_and_the_next_call_finishes_it(demo
     for line in process.stdout:
         if json.loads(line)["event"] == "progress":
             break
-    [engine] = descendants(process.pid)[:1]
-    deepest = descendants(process.pid)[-1]
-    os.kill(deepest, signal.SIGKILL)
+    # The engine process this call started (its first child; vLLM's engine core and workers are below it).
+    engine = descendants(process.pid)[0]
+    assert len(descendants(engine)) >= 1  # vLLM runs its engine core in processes of its own
+    os.kill(engine, signal.SIGKILL)
     _, err = process.communicate(timeout=600)
     assert process.returncode == 2, err[-4000:]
-    assert "the engine of replica 0 ended" in err and "run the same command again to resume" in err
+    assert "the engine of replica 0 ended (killed by SIGKILL)" in err and "run the same command again" in err
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the engine's group ends with it
         try:
