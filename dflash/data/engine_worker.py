@@ -99,8 +99,7 @@ def run_hf(args, requests: queue.Queue) -> None:
 
     model = load_target(args.target, args.dtype, args.device)
     tokenizer = load_tokenizer(args.target)
-    eos = end_of_text_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = end_of_text_ids(model, tokenizer)
     emit({"event": "ready"})
     more = True
     while more:

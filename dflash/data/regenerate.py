@@ -84,12 +84,13 @@ class ProvenanceError(ValueError):
     """The rows the call would resume from were made with other settings than the call's."""
 
 
-def end_of_text_ids(model, tokenizer) -> list[int]:
-    """The ids that end an answer: the target's generation config's (every one of a list, as vLLM stops at
-    each), else the tokenizer's end of text."""
+def end_of_text_ids(model, tokenizer) -> tuple[list[int], int]:
+    """(the ids that end an answer: the target's generation config's, every one of a list, as vLLM stops at
+    each, else the tokenizer's end of text; the id that pads a batch: the tokenizer's, else the first end)."""
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos
-    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    ends = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    return ends, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends[0] if ends else 0)
 
 
 def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings, eos_ids: list[int],
@@ -206,8 +207,7 @@ def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     model = load_target(target_path, dtype, device)
-    eos = end_of_text_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = end_of_text_ids(model, tokenizer)
     bar = tqdm(total=len(todo), desc=f"replica {replica}", position=replica, disable=not progress,
                unit="prompt")
     # Rows that lost their line end to a kill are dropped on reading; rewrite the part without them.

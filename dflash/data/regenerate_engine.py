@@ -18,6 +18,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,8 +60,6 @@ def python_has_vllm(python: str) -> bool:
 def resolve_engine(engine: str, engine_python: str | None) -> tuple[str, str | None, str]:
     """(engine, the interpreter that runs it, why): `auto` is vllm where it is installed (`engine_python`,
     else this interpreter, else $DFLASH_VLLM_PYTHON), else hf. `vllm` where it is not is an error."""
-    import sys
-
     if engine == "hf":
         if engine_python:
             return "hf", engine_python, "--engine hf --engine-python: in processes of its own"
@@ -99,7 +98,6 @@ class Engine:
     process: subprocess.Popen
     part: Path
     log: Path
-    fed: int = 0
     answered: int = 0
     skipped: list = field(default_factory=list)
     done: bool = False
@@ -134,7 +132,6 @@ def feed(engine: Engine, requests) -> None:
     try:
         for request in requests:
             engine.process.stdin.write((json.dumps(request) + "\n").encode())
-            engine.fed += 1
         engine.process.stdin.close()
     except (BrokenPipeError, ValueError, OSError):
         pass
