@@ -56,7 +56,7 @@ serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export
 	@python3 scripts/serve_venv.py
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)
 
-# Regeneration on vLLM (`dflash.data regenerate --engine vllm`) in the same venv: its greedy rows against the
+# Regeneration on vLLM (`dflash_ops.data regenerate --engine vllm`) in the same venv: its greedy rows against the
 # transformers path's, an engine killed mid-job then resumed (tests/serving/test_vllm_regenerate.py), and
 # regenerate_data.yml on it in a pvesim container (tests/serving/test_vllm_regenerate_playbook.py).
 regenerate-check: setup ## Build .cache/serve-venv and check regeneration on vLLM's CPU engine (heavy).
@@ -64,7 +64,7 @@ regenerate-check: setup ## Build .cache/serve-venv and check regeneration on vLL
 	$(PY) -m pytest -m serve tests/serving/test_vllm_regenerate.py tests/serving/test_vllm_regenerate_playbook.py $(PYTEST_ARGS)
 
 # The first real run's layout at Qwen3-8B's width on CPU (1 target, 2 drafters, ~15 GiB, minutes), each rank's
-# peak memory beside dflash.training.memory_fit's prediction (BENCHMARKS.md section 13). Heavy: not in make test.
+# peak memory beside dflash_ops.training.memory_fit's prediction (BENCHMARKS.md section 13). Heavy: not in make test.
 rehearsal: setup ## Rehearse the pipeline at Qwen3-8B's width on CPU: start, held-out, SIGTERM, resume, export (heavy).
 	$(PY) -m pytest -m rehearsal tests/rehearsal -s $(PYTEST_ARGS)
 
@@ -97,7 +97,7 @@ test-under-load: setup peer-suites ## make test beside a CPU hog per core (what 
 # ansible-lint finds the dflash.ops roles and modules through ansible.cfg (collections_path = .).
 # ansible-test sanity runs each test in a virtualenv of its pinned requirements, from the package index.
 lint: setup ## ruff, yamllint, ansible-lint (production profile), ansible-test sanity on dflash.ops.
-	$(VENV)/bin/ruff check dflash pvesim ansible_collections tests benchmarks scripts
+	$(VENV)/bin/ruff check dflash_ops pvesim ansible_collections tests benchmarks scripts
 	$(VENV)/bin/yamllint -s .
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --offline --profile production \
 	  playbooks ansible_collections/dflash/ops/roles ansible_collections/dflash/ops/playbooks

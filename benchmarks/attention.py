@@ -5,9 +5,9 @@ the recipe's queries per document group), with a small hidden size so that it ru
 path uses the same blocks and inputs:
 
 - dense: `BlockBatch.attention_mask`, a `[Q, T+Q]` boolean mask, through SDPA;
-- tiles (`dflash.model.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
+- tiles (`dflash_ops.model.attention.BlockSparseMask`): per tile of blocks, SDPA over the tile's context
   range and its own blocks, checkpointed (the tile lists are built on the host);
-- flex (`dflash.model.flex.FlexBlockMask`): one `BlockMask` built on the device, `flex_attention`
+- flex (`dflash_ops.model.flex.FlexBlockMask`): one `BlockMask` built on the device, `flex_attention`
   eager (its unfused reference: the whole score matrix) and compiled (`torch.compile`: fused
   kernels that skip empty tiles). torch has no FlexAttention backward on CPU: there flex's rows are
   forward only.
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash.model.flex import padded_rows  # noqa: E402
-from dflash.model.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_ops.model.flex import padded_rows  # noqa: E402
+from dflash_ops.model.loss import build_block_batch, dflash_loss, sample_anchors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PATHS = ("dense", "tiles", "flex", "flex compiled")

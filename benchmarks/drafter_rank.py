@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 LOAD = """
 import json, sys, torch
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target, load_target_head
-from dflash.training.trainer import build_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target, load_target_head
+from dflash_ops.training.trainer import build_drafter
 
 def rss():
     for line in open("/proc/self/status"):

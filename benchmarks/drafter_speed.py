@@ -127,7 +127,7 @@ def measure(mode: str, device: str, backend: str) -> dict:
 
 def context_bytes() -> int:
     """The memory model's CUDA context term (memory_fit.CUDA_RUNTIME_BYTES)."""
-    from dflash.training.memory_fit import CUDA_RUNTIME_BYTES
+    from dflash_ops.training.memory_fit import CUDA_RUNTIME_BYTES
 
     return CUDA_RUNTIME_BYTES
 

@@ -4,11 +4,11 @@ One drafter training step (forward, weighted cross entropy on the scored block p
 on one packed sequence with random weights and features: H 4096, 32 heads and 8 KV heads of 128,
 MLP 12288, vocabulary 151936, k = 5 target layers, blocks of 16, bf16 autocast over fp32 master
 weights around a bf16 embedding and lm_head (`model.dtype: bfloat16`), the attention a run uses on the
-device (`dflash.model.flex.choose_attention`: FlexAttention compiled on CUDA, the tiles on CPU). The two
-paths share the code the trainer runs (`dflash.training.trainer.scored_loss`):
+device (`dflash_ops.model.flex.choose_attention`: FlexAttention compiled on CUDA, the tiles on CPU). The two
+paths share the code the trainer runs (`dflash_ops.training.trainer.scored_loss`):
 
 - unchunked (`model.loss_chunk_size: null`): the scored positions' `[scored, vocab]` logits at once;
-- chunked (`model.loss_chunk_size`, default 512): `dflash.model.loss.chunked_head_loss`.
+- chunked (`model.loss_chunk_size`, default 512): `dflash_ops.model.loss.chunked_head_loss`.
 
 Every configuration runs in a fresh process, on CPU under an address-space limit (a shape that
 does not fit is reported as such): the model is built, one warm-up step runs at a few anchors,
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_rss_bytes
-from dflash.core.config import DEFAULT_LOSS_CHUNK_SIZE
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.flex import choose_attention
-from dflash.model.loss import build_block_batch, sample_anchors
-from dflash.training.trainer import scored_loss
+from dflash_ops.core.config import DEFAULT_LOSS_CHUNK_SIZE
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.flex import choose_attention
+from dflash_ops.model.loss import build_block_batch, sample_anchors
+from dflash_ops.training.trainer import scored_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_ANCHORS = 4

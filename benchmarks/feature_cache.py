@@ -11,10 +11,10 @@ seq_len real tokens), the same batches everywhere:
   a drafter's step on features held in memory (the drafter stage alone); a drafter's step on
   features read from the cache through its feed (`CacheFeed`, reading ahead on a thread). The
   three drafters' losses are checked equal;
-- the capture (`dflash.capture.capture` into a fresh directory), each followed by the target
+- the capture (`dflash_ops.capture.capture` into a fresh directory), each followed by the target
   alone on the capture's batches, `--repeats` times in turn: tokens/s over the time its replica
   spent on shards (target forward, packing, writing and hashing; the target's load left out);
-- training runs, `python -m dflash.train`, interleaved, fastest of each: in one process, online
+- training runs, `python -m dflash_ops.train`, interleaved, fastest of each: in one process, online
   (the target and the drafter take turns) and from the cache (no target); as a pipeline, online
   (1 target worker feeding 1 drafter worker) and from the cache (1 drafter worker, no target);
   steady-state rates from their step events (`benchmarks.pipeline.steady_rate`);
@@ -43,14 +43,14 @@ import torch
 import yaml
 
 from benchmarks.pipeline import build_assets, run_training
-from dflash.core.config import load_config
-from dflash.core.runtime import StopSignal
-from dflash.data.capture import DEFAULT_SHARD_MB, capture, capture_batches, write_shard
-from dflash.data.examples import BatchOrder, Example, collate, load_examples
-from dflash.data.feature_cache import shard_bytes
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.run.cache_feed import CacheFeed, FeatureCache
-from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash_ops.core.config import load_config
+from dflash_ops.core.runtime import StopSignal
+from dflash_ops.data.capture import DEFAULT_SHARD_MB, capture, capture_batches, write_shard
+from dflash_ops.data.examples import BatchOrder, Example, collate, load_examples
+from dflash_ops.data.feature_cache import shard_bytes
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.run.cache_feed import CacheFeed, FeatureCache
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
 QWEN3_8B = {"k": 5, "hidden": 4096, "dtype": "bfloat16", "bytes": 2}
 

@@ -12,11 +12,11 @@ b. target capture of a random Qwen3-8B-shaped target (36 layers, bf16) on a batc
    tokens (docs/SCALE.md's target GPU): tokens/s and peak, whole batch and
    `model.target_rows_per_pass: 1`;
 c. the tests that skip without CUDA (`pytest -m gpu`);
-d. a short single-process training run (target and drafter on cuda:0, `dflash.train`): a run
+d. a short single-process training run (target and drafter on cuda:0, `dflash_ops.train`): a run
    stopped by SIGTERM checkpoints and exits 0, its resume gives the uninterrupted run's losses;
 e. the recipe's drafter rank (`configs/qwen3-8b.yaml`, the trainer's own code on a random drafter and a
    random Qwen3-8B head): two optimizer steps of `DrafterTrainer.train_step` on a full batch (8 x 3072
-   tokens, 512 anchors each, the chunked loss), then the held-out evaluation (`dflash.training.heldout`)
+   tokens, 512 anchors each, the chunked loss), then the held-out evaluation (`dflash_ops.training.heldout`)
    of `data.eval_examples` documents of 3072 tokens (two with a full-length response, the others'
    features held but their responses short, so that it takes seconds), beside the step's gradients and
    AdamW state as in a run. Each phase's `torch.cuda.max_memory_allocated` (everything allocated: the
@@ -54,15 +54,15 @@ import torch
 from benchmarks.drafter_speed import speed_part, table_rows
 from benchmarks.drafter_step import measure_in_subprocess
 from benchmarks.memory import peak_allocated_bytes, peak_rss_bytes
-from dflash.core.config import (
+from dflash_ops.core.config import (
     DEFAULT_LOSS_CHUNK_SIZE,
     PipelineConfig,
     TrainConfig,
     load_config,
     with_examples,
 )
-from dflash.core.target_layers import build_target_layer_ids
-from dflash.data.target import target_hidden_states
+from dflash_ops.core.target_layers import build_target_layer_ids
+from dflash_ops.data.target import target_hidden_states
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "qwen3-8b.yaml"
@@ -167,12 +167,12 @@ def recipe_config(mode: str, target_dir: Path) -> TrainConfig:
 
 
 def predicted_peaks(cfg: TrainConfig, mode: str) -> dict[str, dict | None]:
-    """The memory model's prediction (`dflash.training.memory_fit`) of each phase's peak on one GPU, in
+    """The memory model's prediction (`dflash_ops.training.memory_fit`) of each phase's peak on one GPU, in
     bytes with its terms; None for a phase when there is no memory model to ask. The step: a drafter rank
     with one feature batch and no DDP (a single process fed by a cache is what the model calls that);
     the held-out evaluation: the same rank with the held-out documents' features, the model's bound."""
     try:
-        from dflash.training import memory_fit
+        from dflash_ops.training import memory_fit
     except ImportError:
         return {"drafter_step": None, "heldout": None}
     t = TARGET_SHAPE[mode]
@@ -209,8 +209,8 @@ def recipe_trainer(mode: str, dev: torch.device, **model):
     of the target's shape, initialised in place on `dev`."""
     from transformers import Qwen3Config
 
-    from dflash.data.target import TargetHead
-    from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+    from dflash_ops.data.target import TargetHead
+    from dflash_ops.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
     t = TARGET_SHAPE[mode]
     with tempfile.TemporaryDirectory(prefix="gpu_check-recipe-") as tmp:
@@ -257,8 +257,8 @@ def recipe_batch(cfg: TrainConfig, width: int, dtype: torch.dtype, dev: torch.de
 
 def recipe_part(mode: str, device: str) -> dict:
     """Run in a child process (`--part recipe`): the drafter rank's step and held-out evaluation."""
-    from dflash.training.heldout import HeldOutDocument, HeldOutEvaluator
-    from dflash.training.trainer import compute_precision
+    from dflash_ops.training.heldout import HeldOutDocument, HeldOutEvaluator
+    from dflash_ops.training.trainer import compute_precision
 
     t, dev = TARGET_SHAPE[mode], torch.device(device)
     trainer, cfg, width, dtype = recipe_trainer(mode, dev)
@@ -370,7 +370,7 @@ def _events(text: str) -> list[dict]:
 
 
 def _train(config: Path, output_dir: Path, stop_after: int | None = None) -> tuple[int, list[dict]]:
-    """`python -m dflash.train` with the run's output in `output_dir`; SIGTERM once step `stop_after`
+    """`python -m dflash_ops.train` with the run's output in `output_dir`; SIGTERM once step `stop_after`
     is logged. Returns (exit status, its JSON events)."""
     import yaml
 
@@ -380,7 +380,7 @@ def _train(config: Path, output_dir: Path, stop_after: int | None = None) -> tup
         raw["run"]["step_delay"] = 0.0
     path = output_dir.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(raw))
-    proc = subprocess.Popen([sys.executable, "-m", "dflash.train", "--config", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops.train", "--config", str(path)], cwd=ROOT,
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     try:
@@ -396,7 +396,7 @@ def _train(config: Path, output_dir: Path, stop_after: int | None = None) -> tup
             proc.kill()
             proc.wait()
     if proc.returncode != 0:
-        raise RuntimeError(f"dflash.train exit {proc.returncode}: {err[-2000:]}")
+        raise RuntimeError(f"dflash_ops.train exit {proc.returncode}: {err[-2000:]}")
     return proc.returncode, seen + _events(rest)
 
 

@@ -1,7 +1,7 @@
 """Target rank 0's held-out capture: its peak beside the memory model's, in rows versus in one forward.
 
 Target rank 0 computes drafter 0's held-out features once, at the start. It used to run one forward over
-every held-out row (`data.eval_examples`, 64 in the recipe); `dflash.run.pipeline.send_heldout` now
+every held-out row (`data.eval_examples`, 64 in the recipe); `dflash_ops.run.pipeline.send_heldout` now
 computes and sends them `data.batch_size` rows at a time (in passes of `model.target_rows_per_pass`), so
 the rank's peak is that of a training batch, which the memory model predicts (`memory_fit.target_peak`:
 `features_out` + `capture_working_set`). On one randomly initialised Qwen3 target (MLP 3H, as Qwen3's)
@@ -30,11 +30,11 @@ import torch
 
 from benchmarks.memory import peak_allocated_bytes
 from benchmarks.target_capture import build_target
-from dflash.core.config import config_from_dict
-from dflash.core.target_layers import build_target_layer_ids
-from dflash.data.examples import Example
-from dflash.data.target import step_features
-from dflash.training import memory_fit
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.target_layers import build_target_layer_ids
+from dflash_ops.data.examples import Example
+from dflash_ops.data.target import step_features
+from dflash_ops.training import memory_fit
 
 
 def shape_of(args) -> memory_fit.TargetShape:

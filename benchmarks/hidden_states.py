@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
-from dflash.model.hidden_states import get_hidden_states_packed, get_hidden_states_padded
+from dflash_ops.model.hidden_states import get_hidden_states_packed, get_hidden_states_padded
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLOT_PATH = Path(__file__).resolve().parent / "results" / "hidden_states.png"

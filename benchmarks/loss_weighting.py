@@ -1,10 +1,10 @@
 """The demo drafter's tau with each loss weighting, the same steps: `python -m benchmarks.loss_weighting`.
 
 `optim.loss_weighting: decay` (DFlash's fixed exp(-(k-1)/gamma)) against `dpace` (D-PACE's weights from
-the drafter's own confidence, alpha 0.5), on the demo's assets (`dflash.demo prepare`, default preset,
-cached in `--dir`; its train.jsonl is the target's own greedy answers, what `dflash.data regenerate`
-writes), each trained from scratch in its own process (`python -m dflash.train`, one thread, the demo's
-config but `--steps` steps), then `python -m dflash.evaluate` on the held-out prompts (greedy speculative
+the drafter's own confidence, alpha 0.5), on the demo's assets (`dflash_ops.demo prepare`, default preset,
+cached in `--dir`; its train.jsonl is the target's own greedy answers, what `dflash_ops.data regenerate`
+writes), each trained from scratch in its own process (`python -m dflash_ops.train`, one thread, the demo's
+config but `--steps` steps), then `python -m dflash_ops.evaluate` on the held-out prompts (greedy speculative
 decoding, 64 new tokens each). Both runs take turns on the same machine, in one call; the table has
 each one's tau, its acceptance by draft position and its training time, and the ratio dpace / decay.
 Not in `make bench` (minutes of training): run it alone.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash.data.demo import prepare
+from dflash_ops.data.demo import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 WEIGHTINGS = ("decay", "dpace")
@@ -44,9 +44,9 @@ def train_and_evaluate(config_path: Path, base: dict, weighting: str, steps: int
     path = out / f"config-{weighting}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    run([sys.executable, "-m", "dflash.train", "--config", str(path)])
+    run([sys.executable, "-m", "dflash_ops.train", "--config", str(path)])
     train_s = time.monotonic() - started
-    done = run([sys.executable, "-m", "dflash.evaluate", "--config", str(path), "--checkpoint",
+    done = run([sys.executable, "-m", "dflash_ops.evaluate", "--config", str(path), "--checkpoint",
                 config["run"]["output_dir"], "--threads", "1", "--no-target-row", "--json"])
     rows = {row["name"]: row for row in json.loads(done.stdout.splitlines()[-1])["rows"]}
     trained = rows["trained drafter"]

@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 def run_members(configs: list[Path], tokens_per_step: int, warmup: int) -> dict:
-    """Start every member's `python -m dflash.train` at once; member 0's step events give the rate.
+    """Start every member's `python -m dflash_ops.train` at once; member 0's step events give the rate.
     Output goes to files: a member blocked on a full pipe would stall the others' collectives."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     logs = [(c.with_suffix(".out"), c.with_suffix(".err")) for c in configs]
@@ -62,7 +62,7 @@ def run_members(configs: list[Path], tokens_per_step: int, warmup: int) -> dict:
     procs = []
     for config, (out, err) in zip(configs, logs, strict=True):
         with out.open("w") as stdout, err.open("w") as stderr:
-            command = [sys.executable, "-m", "dflash.train", "--config", str(config)]
+            command = [sys.executable, "-m", "dflash_ops.train", "--config", str(config)]
             procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr,
                                           start_new_session=True))
     for proc in procs:

@@ -6,8 +6,8 @@ Measured in one run, on CPU, with a tiny random target and synthetic data of fix
 - stage rates, stand-alone in this process (one thread): the target's forward with the packed
   hidden states (`target_hidden_states`), and the drafter's optimizer step on features computed
   ahead (`DrafterTrainer.train_step`);
-- (a) sequential: `python -m dflash.train` with no workers, target then drafter in one process;
-- (b) pipeline: `python -m dflash.train` with one target worker and one drafter worker (one thread
+- (a) sequential: `python -m dflash_ops.train` with no workers, target then drafter in one process;
+- (b) pipeline: `python -m dflash_ops.train` with one target worker and one drafter worker (one thread
   each), batches flowing through the bounded queue.
 
 (a) and (b) run `--repeats` times each, interleaved; the fastest run of each counts (on a shared
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from dflash.core.config import load_config
-from dflash.data.examples import BatchOrder, collate, load_examples
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash_ops.core.config import load_config
+from dflash_ops.data.examples import BatchOrder, collate, load_examples
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 SIZE_OPTIONS = ("steps", "warmup", "batch_size", "seq_len", "hidden", "target_layers", "max_anchors",
@@ -121,10 +121,10 @@ def stage_rates(config_path: Path, repeats: int) -> tuple[float, float]:
 
 
 def run_training(config_path: Path, tokens_per_step: int, warmup: int) -> dict:
-    """Run `python -m dflash.train`; steady-state tokens/s from its step events."""
+    """Run `python -m dflash_ops.train`; steady-state tokens/s from its step events."""
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config_path)], cwd=REPO,
-                            capture_output=True, text=True, start_new_session=True)
+    result = subprocess.run([sys.executable, "-m", "dflash_ops.train", "--config", str(config_path)],
+                            cwd=REPO, capture_output=True, text=True, start_new_session=True)
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"training run {config_path.name} failed ({result.returncode}):\n"

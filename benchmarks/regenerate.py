@@ -7,7 +7,7 @@ answers vary in length as real ones do: they are sampled (temperature 1; random 
 the same chance) and four of the 384 ids end one (the target's `eos_token_id` list, at which both engines
 stop), so an answer ends after ~96 tokens on average, geometrically spread, at most MAX_NEW_TOKENS (greedy,
 random weights loop without meeting one: every answer then has MAX_NEW_TOKENS, where static batches lose
-nothing). The same prompts go through `python -m dflash.data regenerate`, in float32 (the CPU's):
+nothing). The same prompts go through `python -m dflash_ops.data regenerate`, in float32 (the CPU's):
 
 - `--engine hf` at its default batch (8) and at the other `--batch-size`s given: transformers' generate on
   static, left-padded batches in prompt order;
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.serve import KV_CACHE_GIB, SERVE_PYTHON, serve_venv_problem
-from dflash.data.chat_prompts import read_rows
+from dflash_ops.data.chat_prompts import read_rows
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -75,12 +75,12 @@ def write_prompts(path: Path, count: int) -> Path:
 
 
 def regenerate(target: Path, prompts: Path, out: Path, *extra: str) -> dict:
-    """One `dflash.data regenerate` call from nothing; its summary line."""
+    """One `dflash_ops.data regenerate` call from nothing; its summary line."""
     for stale in out.parent.glob(out.name + "*"):
         stale.unlink()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dflash.data", "regenerate", "--target", str(target),
+    done = subprocess.run([sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", str(target),
                            "--prompts", str(prompts), "--out", str(out), "--dtype", "float32",
                            "--max-length", str(MAX_LENGTH), "--max-new-tokens", str(MAX_NEW_TOKENS),
                            "--temperature", "1", "--seed", "0", "--progress-every", "0", *extra],
@@ -92,8 +92,8 @@ def regenerate(target: Path, prompts: Path, out: Path, *extra: str) -> dict:
 
 def load_seconds(target: Path) -> float:
     """What the hf path spends before it generates: the tokenizer and the model loaded, once."""
-    from dflash.data.regenerate import load_tokenizer
-    from dflash.data.target import load_target
+    from dflash_ops.data.regenerate import load_tokenizer
+    from dflash_ops.data.target import load_target
 
     started = time.perf_counter()
     load_tokenizer(str(target))

@@ -1,9 +1,9 @@
 """Drafters trained on vLLM's regenerated data and on transformers': `python -m benchmarks.regenerate_tau`.
 
 The tiny demo target answers the demo's 96 training prompts and 8 held-out prompts twice, with `python -m
-dflash.data regenerate --engine hf` and `--engine vllm` (the venv of `make serve-check`), greedy, float32,
+dflash_ops.data regenerate --engine hf` and `--engine vllm` (the venv of `make serve-check`), greedy, float32,
 answers bounded by the demo config's data.max_length. A drafter is trained on each engine's data with each
-seed (the demo's config, `--steps` steps, one thread) and evaluated (`python -m dflash.evaluate`, greedy
+seed (the demo's config, `--steps` steps, one thread) and evaluated (`python -m dflash_ops.evaluate`, greedy
 speculative decoding around the target) on the same held-out prompts. The table: how many rows the
 engines wrote alike, and each drafter's tau; the question is whether the engine moves tau by more than the
 seed does. Minutes: not in `make bench`.
@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.serve import KV_CACHE_GIB, SERVE_PYTHON, serve_venv_problem
-from dflash.data.chat_prompts import read_rows
+from dflash_ops.data.chat_prompts import read_rows
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINES = {"hf": ["--engine", "hf"], "vllm": ["--engine", "vllm", "--engine-python", str(SERVE_PYTHON)]}
@@ -41,7 +41,7 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 
 def regenerate(config: Path, target: Path, prompts: Path, out: Path, engine: str) -> dict:
     if not out.is_file():
-        run([sys.executable, "-m", "dflash.data", "regenerate", "--target", str(target),
+        run([sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", str(target),
              "--prompts", str(prompts), "--out", str(out), "--config", str(config), "--dtype", "float32",
              *ENGINES[engine]])
     return read_rows(out)
@@ -56,8 +56,8 @@ def train_and_tau(base: dict, data: Path, eval_data: Path, seed: int, steps: int
     path = out / "config.yaml"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    run([sys.executable, "-m", "dflash.train", "--config", str(path), "--fresh"])
-    done = run([sys.executable, "-m", "dflash.evaluate", "--config", str(path),
+    run([sys.executable, "-m", "dflash_ops.train", "--config", str(path), "--fresh"])
+    done = run([sys.executable, "-m", "dflash_ops.evaluate", "--config", str(path),
                 "--checkpoint", str(out / "run"), "--data", str(eval_data),
                 "--max-new-tokens", str(NEW_TOKENS), "--threads", "1", "--no-target-row", "--json"])
     rows = {row["name"]: row for row in json.loads(done.stdout.splitlines()[-1])["rows"]}

@@ -61,7 +61,7 @@ STOP_ENDS = ("terminated", "killed")
 LOG = "/var/log/dflash/main.log"
 RITUAL_LOG = "/var/log/dflash/ritual.log"
 # The seeds' pattern was the script's name (train_dflash_pipeline.py); here it is the trainer's module.
-RITUAL_PATTERN = "dflash.train"
+RITUAL_PATTERN = "dflash_ops.train"
 
 # Epoch at which a container process started, from inside the container (its /proc): the kernel's
 # uptime and the process's start time in clock ticks (field 22 of /proc/<pid>/stat).
@@ -164,7 +164,7 @@ def trainers(fleet, vmid) -> list[int]:
     """Pids of trainer processes in the container, read from `ps` (for the report; nothing is signalled)."""
     out = fleet.ct(vmid, "ps -eo pid=,args=").stdout
     return [int(line.split(None, 1)[0]) for line in out.splitlines()
-            if "-m dflash.train" in line and "bash" not in line.split(None, 2)[1]]
+            if "-m dflash_ops.train" in line and "bash" not in line.split(None, 2)[1]]
 
 
 def ritual_copy_path(changed_file: Path) -> str:
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
         rituals = []
         if not args.no_reference:
             changed = work / "train.py"
-            changed.write_text((REPO / "dflash" / "train.py").read_text() + "# hand-copied fix\n")
+            changed.write_text((REPO / "dflash_ops" / "train.py").read_text() + "# hand-copied fix\n")
             for i in range(args.ritual_repeats):
                 rituals.append(ritual(fleet, vmid, changed, i))
                 print(f"  hand ritual {i + 1}: {rituals[-1]['wall_s']} s, ssh exit {rituals[-1]['stop_rc']}",

@@ -1,11 +1,11 @@
-"""vLLM serving an exported drafter beside `dflash.evaluate`, same prompts: `python -m benchmarks.serve`.
+"""vLLM serving an exported drafter beside `dflash_ops.evaluate`, same prompts: `python -m benchmarks.serve`.
 
 Needs the venv of `make serve-check` (`.cache/serve-venv`: vLLM's CPU build). Without `--config` it
 trains a drafter briefly on the tiny demo assets; with `--config` and `--checkpoint` it takes that
 run (the demo's, say). Then, on the held-out prompts of the config:
 
-- exports the checkpoint (`dflash.export`, `--dtype`, float32 by default);
-- decodes every prompt with `dflash.evaluate`'s greedy speculative decoding around the export's
+- exports the checkpoint (`dflash_ops.export`, `--dtype`, float32 by default);
+- decodes every prompt with `dflash_ops.evaluate`'s greedy speculative decoding around the export's
   drafter (`load_export`): its output (the target's greedy), verify steps and accepted drafts;
 - runs vLLM's offline API (`benchmarks/vllm_driver.py` in the serve venv, one process per engine)
   on the target alone, then with the export as a DFlash drafter at `num_speculative_tokens` =
@@ -29,18 +29,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from dflash.core.config import config_from_dict, load_config
-from dflash.data.target import load_target
-from dflash.run.main import run_single_process
-from dflash.serve.evaluate import (
+from dflash_ops.core.config import config_from_dict, load_config
+from dflash_ops.data.target import load_target
+from dflash_ops.run.main import run_single_process
+from dflash_ops.serve.evaluate import (
     AcceptanceStats,
     drafter_proposer,
     end_of_text_id,
     eval_prompts,
     speculative_decode,
 )
-from dflash.serve.export import export_checkpoint, load_export
-from dflash.training.checkpoint import find_checkpoint
+from dflash_ops.serve.export import export_checkpoint, load_export
+from dflash_ops.training.checkpoint import find_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_VENV = REPO / ".cache" / "serve-venv"
@@ -96,11 +96,11 @@ def vllm_generate(request: dict, workdir: Path, name: str, timeout: float = 1200
 
 def our_decoding(target_dir: Path, export_dir: Path, prompts: list[list[int]],
                  max_new_tokens: int) -> tuple[list[list[int]], AcceptanceStats]:
-    """`dflash.evaluate`'s decoding of each prompt around the export's drafter: outputs and figures."""
+    """`dflash_ops.evaluate`'s decoding of each prompt around the export's drafter: outputs and figures."""
     target = load_target(target_dir)
     drafter, layer_ids = load_export(export_dir, target)
     block_size = drafter.cfg.block_size
-    stats = AcceptanceStats("dflash.evaluate", block_size)
+    stats = AcceptanceStats("dflash_ops.evaluate", block_size)
     propose, eos = drafter_proposer(drafter), end_of_text_id(target)
     outputs = [speculative_decode(target, propose, prompt, layer_ids, block_size, max_new_tokens, eos, stats)
                for prompt in prompts]
@@ -151,7 +151,7 @@ def format_table(result: dict) -> str:
             f"accepted drafts at position 1..")
     lines = [f"{result['prompts']} prompts, {result['max_new_tokens']} new tokens, {result['dtype']}, "
              f"b = {result['block_size']}", head, "-" * len(head),
-             f"{'dflash.evaluate (export)':<26} {steps:>6} {ours['tau']:>5.2f} "
+             f"{'dflash_ops.evaluate (export)':<26} {steps:>6} {ours['tau']:>5.2f} "
              f"{1 + sum(ours['accepted_by_position']) / steps:>6.2f} {same:>3}/{result['prompts']:<3} "
              f"{'':>6} {'':>5}  {' '.join(map(str, ours['accepted_by_position']))}"]
     for name, run in (("vLLM, target alone", alone),

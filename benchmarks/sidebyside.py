@@ -124,7 +124,7 @@ def nodes_cpu_seconds(fleet) -> float:
 def measured_play(fleet, tree: Tree, playbook: str, *args) -> dict:
     """One `ansible-playbook` of `tree` against the fleet: wall and controller CPU seconds, host results
     per host, the load average before and after. A failed play ends the benchmark with its output."""
-    source = {"dflash_release_source_dir": str(fleet.src / "dflash")}
+    source = {"dflash_release_source_dir": str(fleet.src / "dflash_ops")}
     argv = [str(VENV_BIN / "ansible-playbook"), "-i", str(tree.inventory(fleet)),
             str(tree.playbook(playbook)), "-e", json.dumps(source), *args]
     env = ansible_env(**tree.env(fleet, ANSIBLE_DISPLAY_SKIPPED_HOSTS="True"))
@@ -157,8 +157,8 @@ def tree_play(fleet, tree: Tree, playbook: str, *args, timeout=1200):
     (fleet.base / "plays").mkdir(exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix=f"{Path(playbook).stem}-", dir=fleet.base / "plays"))
     return run_playbook(str(tree.playbook(playbook)), tree.inventory(fleet), *args, timeout=timeout,
-                        keep_dir=private, extravars={"dflash_release_source_dir": str(fleet.src / "dflash")},
-                        envvars=tree.env(fleet))
+                        keep_dir=private, envvars=tree.env(fleet),
+                        extravars={"dflash_release_source_dir": str(fleet.src / "dflash_ops")})
 
 
 def reset_containers(fleet, vmids) -> None:

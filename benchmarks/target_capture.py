@@ -6,7 +6,7 @@ at a small hidden size) on the same padded batch and return the same packed `[T,
 
 - all layers (the previous path): `output_hidden_states=True` keeps the n + 1 `[B, L, H]` layer
   outputs, every layer runs, then k of them are packed;
-- capture (`dflash.data.target.target_hidden_states`): hooks copy the k selected layers' real tokens
+- capture (`dflash_ops.data.target.target_hidden_states`): hooks copy the k selected layers' real tokens
   into the packed output as they are produced, and the forward pass ends after the deepest one;
 - capture, one row per pass (`model.target_rows_per_pass: 1`): the same, a row at a time.
 
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states import best_seconds, ragged_lengths  # noqa: E402
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from dflash.core.target_layers import build_target_layer_ids  # noqa: E402
-from dflash.data.target import target_hidden_states, target_hidden_states_all_layers  # noqa: E402
+from dflash_ops.core.target_layers import build_target_layer_ids  # noqa: E402
+from dflash_ops.data.target import target_hidden_states, target_hidden_states_all_layers  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,11 +1,11 @@
 """A drafter served in the thinking mode it was not trained in: `python -m benchmarks.thinking_mode`.
 
-The thinking demo's target (`dflash.demo prepare --preset thinking`: the demo target taught Qwen3's two
-chat modes, `dflash.data.demo_thinking`) answers its training and held-out prompts in each mode
-(`python -m dflash.data regenerate --enable-thinking false|true`, greedy, 64 new tokens); a drafter is
+The thinking demo's target (`dflash_ops.demo prepare --preset thinking`: the demo target taught Qwen3's two
+chat modes, `dflash_ops.data.demo_thinking`) answers its training and held-out prompts in each mode
+(`python -m dflash_ops.data regenerate --enable-thinking false|true`, greedy, 64 new tokens); a drafter is
 trained on each mode's data (the demo's config, `data.enable_thinking` set to the mode, `--steps`
-steps, one thread), exported (`python -m dflash.export`, whose config.json records the mode), and each
-is evaluated (`python -m dflash.evaluate`, greedy speculative decoding, 64 new tokens) on the held-out
+steps, one thread), exported (`python -m dflash_ops.export`, whose config.json records the mode), and each
+is evaluated (`python -m dflash_ops.evaluate`, greedy speculative decoding, 64 new tokens) on the held-out
 prompts in both modes, all in one call. The table is tau by training mode and serving mode, and the
 ratio of each drafter's tau in the other mode to its tau in its own. Not in `make bench` (minutes of
 regeneration and training): run it alone.
@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.loss_weighting import run
-from dflash.data.demo import PRESETS, prepare
+from dflash_ops.data.demo import PRESETS, prepare
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("false", "true")
@@ -34,7 +34,7 @@ NEW_TOKENS = 64
 
 def regenerate(target: Path, prompts: Path, out: Path, mode: str) -> Path:
     if not out.is_file():
-        run([sys.executable, "-m", "dflash.data", "regenerate", "--target", str(target), "--prompts",
+        run([sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", str(target), "--prompts",
              str(prompts), "--out", str(out), "--enable-thinking", mode, "--max-new-tokens", str(NEW_TOKENS),
              "--engine", "hf", "--dtype", "float32",
              "--batch-size", "32", "--threads", "1"])
@@ -52,16 +52,16 @@ def train_and_export(base: dict, data: Path, mode: str, steps: int, out: Path) -
     path = out / f"config-thinking-{mode}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    run([sys.executable, "-m", "dflash.train", "--config", str(path)])
+    run([sys.executable, "-m", "dflash_ops.train", "--config", str(path)])
     config["train_s"] = round(time.monotonic() - started, 1)
     export = out / f"export-thinking-{mode}"
-    run([sys.executable, "-m", "dflash.export", "--checkpoint", config["run"]["output_dir"],
+    run([sys.executable, "-m", "dflash_ops.export", "--checkpoint", config["run"]["output_dir"],
          "--out", str(export)])
     return path, json.loads((export / "config.json").read_text())["dflash_training"]
 
 
 def tau(config_path: Path, eval_data: Path) -> dict:
-    done = run([sys.executable, "-m", "dflash.evaluate", "--config", str(config_path), "--checkpoint",
+    done = run([sys.executable, "-m", "dflash_ops.evaluate", "--config", str(config_path), "--checkpoint",
                 yaml.safe_load(config_path.read_text())["run"]["output_dir"], "--data", str(eval_data),
                 "--max-new-tokens", str(NEW_TOKENS), "--threads", "1", "--no-target-row", "--json"])
     rows = {row["name"]: row for row in json.loads(done.stdout.splitlines()[-1])["rows"]}

@@ -38,7 +38,7 @@ PLAYBOOKS = REPO / "playbooks"
 SIM_GROUP_VARS = REPO / "inventory" / "sim" / "group_vars"
 # The run's start file and its boot outcome in a container, less their suffixes (the dflash_run role's).
 BOOT_FILE = "/var/lib/dflash/main"
-# Shared by every test module and the molecule scenarios; `dflash.demo prepare` reuses it when current.
+# Shared by every test module and the molecule scenarios; `dflash_ops.demo prepare` reuses it when current.
 ASSETS = REPO / ".cache" / "assets-tiny"
 
 # Host events that end a task on a host, and the flag each sets in the result (as Ansible's own
@@ -59,25 +59,25 @@ RECAP = {"ok": "ok", "changed": "changed", "failures": "failures", "dark": "unre
 
 def prepare_assets():
     """The tiny demo target and data (a few seconds the first time, then cached)."""
-    subprocess.run([sys.executable, "-m", "dflash.demo", "prepare", str(ASSETS), "--preset", "tiny"],
+    subprocess.run([sys.executable, "-m", "dflash_ops.demo", "prepare", str(ASSETS), "--preset", "tiny"],
                    check=True, cwd=REPO, capture_output=True, text=True)
     return ASSETS
 
 
 def snapshot_source(dest):
-    """Copy what the roles ship (pyproject.toml, README.md, dflash/) to `dest`."""
+    """Copy what the roles ship (pyproject.toml, README.md, dflash_ops/) to `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "README.md"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, dest / name)
-    shutil.copytree(REPO / "dflash", dest / "dflash", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-                    dirs_exist_ok=True)
+    shutil.copytree(REPO / "dflash_ops", dest / "dflash_ops",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
     return dest
 
 
 def change_code(src, marker):
     """A code change that makes a new release: one line appended to the package's __init__.py."""
-    with open(src / "dflash" / "__init__.py", "a") as fh:
+    with open(src / "dflash_ops" / "__init__.py", "a") as fh:
         fh.write(f"# release marker: {marker}\n")
 
 
@@ -299,7 +299,7 @@ class Fleet:
         (self.base / "plays").mkdir(exist_ok=True)
         private = Path(tempfile.mkdtemp(prefix=f"{Path(playbook).stem}-", dir=self.base / "plays"))
         return run_playbook(playbook, self.inventory, *args, timeout=timeout, keep_dir=private,
-                            extravars={"dflash_release_source_dir": str(self.src / "dflash")},
+                            extravars={"dflash_release_source_dir": str(self.src / "dflash_ops")},
                             envvars={"DFLASH_SIM_ASSETS": str(self.assets)}, on_event=on_event)
 
     def add_to_inventory(self, node_name, vmid, **hostvars):

@@ -35,13 +35,13 @@ ln -sfn ../inventory/sim/group_vars .demo/group_vars
 export DFLASH_SIM_ASSETS="$PWD/.demo/assets"
 SRC="$PWD/.demo/src"
 rm -rf "$SRC" && mkdir -p "$SRC"
-cp -r pyproject.toml dflash "$SRC"/ && { [ ! -f README.md ] || cp README.md "$SRC"/; }
+cp -r pyproject.toml dflash_ops "$SRC"/ && { [ ! -f README.md ] || cp README.md "$SRC"/; }
 find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
 play() { ansible-playbook -i "$INVENTORY" -e "dflash_release_source_dir=$SRC/dflash" "$@"; }
 in_ct() { on_node pve1 pct exec 200 -- "$@"; }
 
 step "Prepare the demo target model and data (a tiny Qwen3 trained on the standard library; cached)"
-python -m dflash.demo prepare "$DFLASH_SIM_ASSETS"
+python -m dflash_ops.demo prepare "$DFLASH_SIM_ASSETS"
 
 step "Deploy: node checks, the trainer's venv, a validated release, the run (ansible-playbook playbooks/deploy.yml)"
 time play playbooks/deploy.yml

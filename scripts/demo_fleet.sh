@@ -57,7 +57,7 @@ on_node pct config 201
 on_node pct exec 201 -- nvidia-smi --query-gpu=index,uuid,driver_version --format=csv
 
 step "Deploy to it: ansible-playbook playbooks/deploy.yml -l ct201"
-python -m dflash.demo prepare "$DFLASH_SIM_ASSETS" >/dev/null
+python -m dflash_ops.demo prepare "$DFLASH_SIM_ASSETS" >/dev/null
 time play playbooks/deploy.yml -l ct201 | tail -n 3
 
 step "Its run trains: pct exec 201 -- tail -n 2 /var/log/dflash/main.log"

@@ -1,7 +1,7 @@
 """A controller installs without the trainer: `pip install '.[controller]'` has what the playbooks use on
 the controller and nothing of torch's; the trainer's packages are their own extra, pinned as the
 containers' venvs are; `.[dev]` (make setup) still gets both. And the controller's side of the product
-(the playbooks' plugins, the connection, `python -m dflash.plots`) runs with the trainer's packages
+(the playbooks' plugins, the connection, `python -m dflash_ops.plots`) runs with the trainer's packages
 absent: a Python whose imports of them fail stands for a controller venv."""
 
 import json
@@ -35,10 +35,10 @@ def test_the_controller_extra_has_what_the_playbooks_use_and_nothing_of_the_trai
     assert not controller & TRAINER_ONLY, controller
     assert not names(PROJECT["dependencies"]) & TRAINER_ONLY, PROJECT["dependencies"]
     # ansible-playbook; the containers' connection (community.proxmox's proxmox_pct_remote needs paramiko);
-    # fetch_metrics.yml's plots (python -m dflash.plots on the controller).
+    # fetch_metrics.yml's plots (python -m dflash_ops.plots on the controller).
     assert {"ansible-core", "paramiko", "matplotlib"} <= controller, controller
     fetch_metrics = (REPO / "ansible_collections/dflash/ops/playbooks/fetch_metrics.yml").read_text()
-    assert "'-m', 'dflash.plots'" in fetch_metrics
+    assert "'-m', 'dflash_ops.plots'" in fetch_metrics
 
 
 def test_pip_resolves_the_controller_extra_without_the_trainer():
@@ -95,7 +95,7 @@ def test_the_controllers_side_runs_without_the_trainers_packages(tmp_path):
     metrics = tmp_path / "ct200.metrics.jsonl"
     metrics.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 3.0 - s / 10}) + "\n"
                                for s in range(1, 4)))
-    plots = subprocess.run([str(VENV_BIN / "python"), "-m", "dflash.plots", str(metrics), "--out",
+    plots = subprocess.run([str(VENV_BIN / "python"), "-m", "dflash_ops.plots", str(metrics), "--out",
                             str(tmp_path / "plots"), "--labels", "ct200"], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert plots.returncode == 0, plots.stderr

@@ -74,8 +74,8 @@ def test_the_dry_run_of_the_recipe_measures_its_step_and_held_out_evaluation_bes
 
 def test_the_recipe_prediction_is_the_memory_model_s_drafter_rank_on_one_gpu(tmp_path):
     from benchmarks.gpu_check import RECIPE, TARGET_SHAPE, predicted_peaks, recipe_config
-    from dflash.core.config import load_config
-    from dflash.training import memory_fit
+    from dflash_ops.core.config import load_config
+    from dflash_ops.training import memory_fit
 
     cfg = recipe_config("full", tmp_path)
     assert (cfg.model.num_draft_layers, cfg.data.max_length, cfg.data.max_anchors) == (5, 3072, 512)

@@ -1,13 +1,13 @@
-"""The trainer's layers (docs/ARCHITECTURE.md) hold: every import in dflash/, deferred ones included,
+"""The trainer's layers (docs/ARCHITECTURE.md) hold: every import in dflash_ops/, deferred ones included,
 goes to the importer's own subpackage or to a layer below it, `run` and `serve` never import each
-other, nothing imports a command (the modules at dflash/'s top), and no import circle exists."""
+other, nothing imports a command (the modules at dflash_ops/'s top), and no import circle exists."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "dflash"
+PACKAGE = Path(__file__).resolve().parents[2] / "dflash_ops"
 # Lower layers first; subpackages on one rank are peers that must not import each other.
 LAYERS = {"core": 0, "model": 1, "data": 2, "training": 3, "run": 4, "serve": 4}
 COMMANDS_RANK = 5
@@ -119,10 +119,13 @@ def test_no_import_circle():
 def test_the_checks_see_an_upward_import_and_a_circle():
     # The rule's own check: the import that was removed (heldout took acceptance counting from serve)
     # and a circle like the one data -> regenerate -> target -> data was.
-    edges = {"dflash.training.heldout": {"dflash.serve.evaluate"},
-             "dflash.data.examples": {"dflash.data.regenerate"},
-             "dflash.data.regenerate": {"dflash.data.target"}, "dflash.data.target": {"dflash.data.examples"}}
+    edges = {"dflash_ops.training.heldout": {"dflash_ops.serve.evaluate"},
+             "dflash_ops.data.examples": {"dflash_ops.data.regenerate"},
+             "dflash_ops.data.regenerate": {"dflash_ops.data.target"},
+             "dflash_ops.data.target": {"dflash_ops.data.examples"}}
     assert layer_violations(edges) == [
-        "dflash.training.heldout (training) imports dflash.serve.evaluate (serve): an upper layer"]
-    assert circles(edges) == [["dflash.data.examples", "dflash.data.regenerate", "dflash.data.target"]]
-    assert "dflash.run.main" in graph()["dflash.train"]  # deferred and `from pkg import mod` imports count
+        "dflash_ops.training.heldout (training) imports dflash_ops.serve.evaluate (serve): an upper layer"]
+    assert circles(edges) == [["dflash_ops.data.examples", "dflash_ops.data.regenerate",
+                               "dflash_ops.data.target"]]
+    # deferred and `from pkg import mod` imports count
+    assert "dflash_ops.run.main" in graph()["dflash_ops.train"]

@@ -1,5 +1,5 @@
 """Fixtures for the pipeline, evaluation and demo tests: the tiny demo assets, config files, and
-runs of `python -m dflash.train` in their own process group."""
+runs of `python -m dflash_ops.train` in their own process group."""
 
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ def write_config(demo_dir, tmp_path):
 
 
 class TrainProcess:
-    """`python -m dflash.train` started as its own process group, as `run.sh` runs it."""
+    """`python -m dflash_ops.train` started as its own process group, as `run.sh` runs it."""
 
     def __init__(self, config: Path, log: Path, env: dict | None = None):
         self.config, self.log_path = config, log
         self.output_dir = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dflash.train", "--config", str(config)],
+            [sys.executable, "-m", "dflash_ops.train", "--config", str(config)],
             cwd=REPO, env={**os.environ, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True,
         )

@@ -1,4 +1,4 @@
-"""The pipeline measures its ranks' waits and advises its split (dflash.run.balance): a CPU pipeline made
+"""The pipeline measures its ranks' waits and advises its split (dflash_ops.run.balance): a CPU pipeline made
 slow on one side, by its shapes alone, is found bound by that side, with the split that moves a worker
 to it; the validation predicts the split from the shapes, and the recipe's split is the one it advises."""
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from dflash.config import main as config_main
-from dflash.core.config import load_config
-from dflash.run.balance import Advice, MeasuredWaits, best_split, predicted_advice, predicted_costs
-from dflash.training.memory_fit import TargetShape
+from dflash_ops.config import main as config_main
+from dflash_ops.core.config import load_config
+from dflash_ops.run.balance import Advice, MeasuredWaits, best_split, predicted_advice, predicted_costs
+from dflash_ops.training.memory_fit import TargetShape
 from tests.dflash.conftest import make_tiny_target
 
 QWEN3_8B = TargetShape(num_layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,

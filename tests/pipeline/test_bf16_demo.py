@@ -6,8 +6,8 @@ import json
 
 import yaml
 
-from dflash.core.config import config_from_dict
-from dflash.run.main import run_single_process
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.run.main import run_single_process
 
 STEPS = 40
 # Stated tolerance: every step's bf16 loss within 1 % of the fp32 loss of the same step, and the

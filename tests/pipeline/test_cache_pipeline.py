@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.core.config import load_config
-from dflash.data.capture import capture
-from dflash.data.feature_cache import MANIFEST
+from dflash_ops.core.config import load_config
+from dflash_ops.data.capture import capture
+from dflash_ops.data.feature_cache import MANIFEST
 from tests.dflash.data.test_feature_cache import Log, corrupt
 from tests.pipeline.test_pipeline_run import step_losses
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.core.config import load_config
-from dflash.data.demo import PRESETS, is_prepared, prepare
+from dflash_ops.core.config import load_config
+from dflash_ops.data.demo import PRESETS, is_prepared, prepare
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,10 +56,10 @@ def test_a_second_prepare_is_cached_and_other_parameters_rebuild(demo_dir):
 
 
 def test_cli_help_and_bad_input(tmp_path):
-    help_run = subprocess.run([sys.executable, "-m", "dflash.demo", "prepare", "--help"], cwd=REPO,
+    help_run = subprocess.run([sys.executable, "-m", "dflash_ops.demo", "prepare", "--help"], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
     assert help_run.returncode == 0 and "--preset" in help_run.stdout
-    bad = subprocess.run([sys.executable, "-m", "dflash.demo", "prepare", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "dflash_ops.demo", "prepare", str(tmp_path / "x"),
                           "--target-steps", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "train_steps must be positive" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.core.config import load_config
-from dflash.data.examples import load_examples
-from dflash.data.target import load_target
-from dflash.serve.evaluate import (
+from dflash_ops.core.config import load_config
+from dflash_ops.data.examples import load_examples
+from dflash_ops.data.target import load_target
+from dflash_ops.serve.evaluate import (
     AcceptanceStats,
     drafter_proposer,
     eval_prompts,
     speculative_decode,
     target_proposer,
 )
-from dflash.training.checkpoint import latest_checkpoint, load_drafter
-from dflash.training.heldout import HeldOutEvaluator
-from dflash.training.trainer import resolve_layer_ids
+from dflash_ops.training.checkpoint import latest_checkpoint, load_drafter
+from dflash_ops.training.heldout import HeldOutEvaluator
+from dflash_ops.training.trainer import resolve_layer_ids
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_trained_drafter_reaches_a_higher_tau(write_config, start_run):
     run = start_run(config)
     assert run.wait(timeout=300) == 0, run.log_path.read_text()[-3000:]
     result = subprocess.run(
-        [sys.executable, "-m", "dflash.evaluate", "--config", str(config),
+        [sys.executable, "-m", "dflash_ops.evaluate", "--config", str(config),
          "--checkpoint", str(run.output_dir), "--max-new-tokens", "32", "--threads", "1", "--no-target-row",
          "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -110,7 +110,7 @@ def test_trained_drafter_reaches_a_higher_tau(write_config, start_run):
 
 def test_evaluate_reports_bad_input_without_a_traceback(demo_dir, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "dflash.evaluate", "--config", str(demo_dir / "config.yaml"),
+        [sys.executable, "-m", "dflash_ops.evaluate", "--config", str(demo_dir / "config.yaml"),
          "--checkpoint", str(tmp_path / "nowhere")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )

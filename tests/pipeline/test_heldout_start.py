@@ -3,7 +3,8 @@ target rank 0 (its own device, sent like a batch), never from a drafter loading 
 held-out figures are the single-process trainer's.
 
 Which process loads the target is recorded by a `sitecustomize` on the workers' path (every process
-torchrun starts imports it) that wraps `dflash.data.target.load_target` and notes the rank that called it."""
+torchrun starts imports it) that wraps `dflash_ops.data.target.load_target` and notes the rank that called
+it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import os
 
 import pytest
 
-from dflash.core.stopping import PROCESS_GROUP_TIMEOUT, STARTUP_TIMEOUT
+from dflash_ops.core.stopping import PROCESS_GROUP_TIMEOUT, STARTUP_TIMEOUT
 from tests.pipeline.test_pipeline_run import PIPELINE
 
 RECORDER = '''
 import json, os
-from dflash.data import target as _target
+from dflash_ops.data import target as _target
 
 _load = _target.load_target
 

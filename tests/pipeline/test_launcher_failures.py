@@ -10,8 +10,8 @@ import os
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from dflash.core.config import load_config
-from dflash.run.launcher import Launcher
+from dflash_ops.core.config import load_config
+from dflash_ops.run.launcher import Launcher
 
 PIPELINE = {"target_workers": 2, "drafter_workers": 1, "threads_per_worker": 1}  # drafter0, target0, target1
 PIDS = {"drafter0": 101, "target0": 102, "target1": 103}

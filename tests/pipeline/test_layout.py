@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.core.config import ConfigError, PipelineConfig
-from dflash.run.launcher import plan_workers, torchrun_command, torchrun_environment
-from dflash.run.ranks import rank_table
+from dflash_ops.core.config import ConfigError, PipelineConfig
+from dflash_ops.run.launcher import plan_workers, torchrun_command, torchrun_environment
+from dflash_ops.run.ranks import rank_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_torchrun_runs_the_layout_on_loopback_with_the_restart_limit():
     assert flags["--nproc-per-node"] == "3" and flags["--max-restarts"] == "5"
     # torchrun keeps each worker's error file there (TORCHELASTIC_ERROR_FILE), for the launcher to read.
     assert flags["--log-dir"] == "/tmp/errors"
-    assert command[-4:] == ["-m", "dflash.run.pipeline", "--config", "/srv/config.yaml"]
+    assert command[-4:] == ["-m", "dflash_ops.run.pipeline", "--config", "/srv/config.yaml"]
     assert PipelineConfig().max_restarts == 3
 
 
@@ -110,7 +110,7 @@ def test_train_refuses_a_layout_beyond_the_visible_gpus(demo_dir, tmp_path):
     raw["pipeline"].update(device="cuda", target_gpus=[0, 1], drafter_gpus=[2])
     config = tmp_path / "gpus.yaml"
     config.write_text(yaml.safe_dump(raw))
-    result = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config)], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "dflash_ops.train", "--config", str(config)], cwd=REPO,
                             env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

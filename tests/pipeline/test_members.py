@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
 
 STEPS = 4
 ONE_MEMBER = {"target_workers": 2, "drafter_workers": 2, "threads_per_worker": 1, "queue_depth": 2}

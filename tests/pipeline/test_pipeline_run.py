@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
 from tests.waiting import wait_for
 
 PIPELINE = {"target_workers": 2, "drafter_workers": 1, "threads_per_worker": 1, "queue_depth": 2}

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash.data.__main__ import main as data_main
-from dflash.data.data_manifest import FORMAT
-from dflash.data.examples import load_examples
-from dflash.data.regenerate import GenerationSettings, parts_record_path, regenerate
-from dflash.data.target import load_target
+from dflash_ops.data.__main__ import main as data_main
+from dflash_ops.data.data_manifest import FORMAT
+from dflash_ops.data.examples import load_examples
+from dflash_ops.data.regenerate import GenerationSettings, parts_record_path, regenerate
+from dflash_ops.data.target import load_target
 
 SETTINGS = GenerationSettings(max_new_tokens=12, batch_size=2)
 

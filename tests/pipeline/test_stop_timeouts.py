@@ -1,5 +1,5 @@
 """docs/PIPELINE.md's table of the stop path's waits says what the trainer, the role and the module
-define: every timeout the trainer names (dflash/core/stopping.py) is in it with its value, and so are
+define: every timeout the trainer names (dflash_ops/core/stopping.py) is in it with its value, and so are
 the role's and the module's defaults."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import yaml
 
 from ansible_collections.dflash.ops.plugins.modules.training_run import ARGUMENT_SPEC
-from dflash.core import stopping
-from dflash.run import launcher, transport
+from dflash_ops.core import stopping
+from dflash_ops.run import launcher, transport
 
 REPO = Path(__file__).resolve().parents[2]
 ROLE_DEFAULTS = REPO / "ansible_collections/dflash/ops/roles/dflash_run/defaults/main.yml"
@@ -37,7 +37,7 @@ def test_every_timeout_the_trainer_names_is_in_the_table_with_its_value():
     table = named_values()
     constants = {name: seconds(value) for name, value in vars(stopping).items()
                  if name.isupper() and not name.startswith("_")}
-    assert constants, "dflash/core/stopping.py names no timeout"
+    assert constants, "dflash_ops/core/stopping.py names no timeout"
     constants.update(POLL_S=transport.POLL_S, POLL_INTERVAL_S=launcher.POLL_INTERVAL_S,
                      MONITOR_INTERVAL_S=launcher.MONITOR_INTERVAL_S)
     assert {name: table.get(name) for name in constants} == constants

@@ -1,5 +1,5 @@
-"""The thinking demo (`dflash.demo prepare --preset tiny-thinking`, `dflash.data.demo_thinking`): a demo
-target whose chat template is Qwen3's generation prompt with its `enable_thinking` toggle, taught both
+"""The thinking demo (`dflash_ops.demo prepare --preset tiny-thinking`, `dflash_ops.data.demo_thinking`): a
+demo target whose chat template is Qwen3's generation prompt with its `enable_thinking` toggle, taught both
 modes; its data regenerated in each mode, a drafter trained on one, exported with the mode recorded,
 and evaluated in both, as `benchmarks/thinking_mode.py` does at the full demo size."""
 
@@ -13,9 +13,9 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from dflash.core.config import load_config
-from dflash.data.demo import PRESETS, prepare
-from dflash.data.demo_thinking import (
+from dflash_ops.core.config import load_config
+from dflash_ops.data.demo import PRESETS, prepare
+from dflash_ops.data.demo_thinking import (
     CHAT_TEMPLATE,
     NO_THOUGHT,
     THINK_CLOSE,
@@ -24,10 +24,10 @@ from dflash.data.demo_thinking import (
     thought,
     with_think_blocks,
 )
-from dflash.data.regenerate import GenerationSettings, regenerate, template_takes_thinking
-from dflash.run.main import main as train_main
-from dflash.serve.evaluate import evaluate
-from dflash.serve.export import export_checkpoint
+from dflash_ops.data.regenerate import GenerationSettings, regenerate, template_takes_thinking
+from dflash_ops.run.main import main as train_main
+from dflash_ops.serve.evaluate import evaluate
+from dflash_ops.serve.export import export_checkpoint
 
 BLOCK = re.compile(re.escape(THINK_OPEN) + r"\n(.*?)" + re.escape(THINK_CLOSE) + r"\n\n", re.S)
 SOURCE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 8

@@ -1,10 +1,10 @@
 """The first real run's layout, rehearsed on CPU at Qwen3-8B's width (`make rehearsal`; marker
 `rehearsal`, never in make test): a target of Qwen3-8B's hidden size, heads, MLP and vocabulary (2
 layers, random bf16 weights), 1 target worker and 2 drafter workers of 1 full-width layer each, the
-held-out set on, through the product's path (`python -m dflash.train`: the launcher, torchrun, the
+held-out set on, through the product's path (`python -m dflash_ops.train`: the launcher, torchrun, the
 pipeline). It starts, steps, evaluates, checkpoints on SIGTERM, resumes at the saved step + 1 and is
 exported; each rank's peak resident memory (VmHWM, written at its exit by a `sitecustomize` on the
-workers' path) must be within 15 % of `dflash.training.memory_fit`'s prediction for the same config,
+workers' path) must be within 15 % of `dflash_ops.training.memory_fit`'s prediction for the same config,
 the CPU process's runtime baseline measured here and named as the `runtime` term.
 
 The embedding and lm_head are tied (one 1.2 GiB tensor instead of two) to keep the three ranks under
@@ -25,9 +25,9 @@ import pytest
 import torch
 import yaml
 
-from dflash.core.config import load_config
-from dflash.training import memory_fit
-from dflash.training.checkpoint import latest_checkpoint
+from dflash_ops.core.config import load_config
+from dflash_ops.training import memory_fit
+from dflash_ops.training.checkpoint import latest_checkpoint
 from pvesim.fleet import prepare_assets
 from tests.pipeline.conftest import TrainProcess
 
@@ -51,7 +51,7 @@ def _record():
 
 
 atexit.register(_record)
-# A pipeline worker leaves with os._exit once its checkpoint is written (dflash/run/pipeline.py), which
+# A pipeline worker leaves with os._exit once its checkpoint is written (dflash_ops/run/pipeline.py), which
 # runs no atexit hook: record on that path as well.
 _exit = os._exit
 
@@ -66,7 +66,8 @@ os._exit = _record_and_exit
 # What a worker process holds before any model: the interpreter and the trainer's imports.
 BASELINE = '''
 import resource
-import dflash.run.main, dflash.run.pipeline, dflash.training.drafter_run, dflash.data.target  # noqa
+import dflash_ops.run.main, dflash_ops.run.pipeline  # noqa
+import dflash_ops.training.drafter_run, dflash_ops.data.target  # noqa
 from transformers import Qwen3ForCausalLM  # noqa
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 print(int(status["VmHWM"].split()[0]) * 1024)
@@ -179,7 +180,7 @@ def test_the_pipeline_at_qwen3_8b_width_starts_evaluates_stops_resumes_exports_w
     finished = time.monotonic()
 
     export = tmp_path / "export"
-    subprocess.run([sys.executable, "-m", "dflash.export", "--checkpoint", str(first.output_dir), "--out",
+    subprocess.run([sys.executable, "-m", "dflash_ops.export", "--checkpoint", str(first.output_dir), "--out",
                     str(export)], cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
     assert json.loads((export / "config.json").read_text())["hidden_size"] == 4096
     exported = time.monotonic()

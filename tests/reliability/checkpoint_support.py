@@ -1,12 +1,12 @@
 """A trainer whose checkpoint write can be caught half-way, for the checkpoint fault tests.
 
 `python tests/reliability/checkpoint_support.py --pause-at POINT --on-save N --marker FILE --config C`
-runs `python -m dflash.train --config C` unchanged, except that the first save from its N-th on
+runs `python -m dflash_ops.train --config C` unchanged, except that the first save from its N-th on
 that reaches POINT stops there, writes `POINT STEP` to FILE and waits until the process gets
 SIGTERM or SIGINT (at most PAUSE_LIMIT_S), then goes on. The test watches FILE and sends its
 signal from outside, so the signal lands inside the write at a known point; a SIGKILL there is a
 crash at that point. The production code has no such hook: the pause wraps the functions
-`dflash.training.checkpoint` calls.
+`dflash_ops.training.checkpoint` calls.
 
 POINTS, in the order a save reaches them:
 - `tmp-dir`: the private temp dir exists, empty;
@@ -62,8 +62,8 @@ class SaveHooks:
 
         import torch
 
-        from dflash.core import runtime
-        from dflash.training import checkpoint
+        from dflash_ops.core import runtime
+        from dflash_ops.training import checkpoint
 
         real_save_file, real_torch_save, real_fsync = checkpoint.save_file, torch.save, checkpoint.fsync_path
         real_rmtree = shutil.rmtree
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pause_at:
         SaveHooks(args.pause_at, args.on_save, args.marker).install()
-    from dflash.run.main import main as train_main
+    from dflash_ops.run.main import main as train_main
 
     return train_main(["--config", args.config])
 

@@ -81,7 +81,8 @@ def last_heading(output: str) -> str:
 def deploy_argv(fleet) -> list[str]:
     """What Fleet.play runs for deploy.yml, for a run that must be killed half-way."""
     return [str(VENV_BIN / "ansible-playbook"), "-i", str(fleet.inventory),
-            str(REPO / "playbooks" / "deploy.yml"), "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}"]
+            str(REPO / "playbooks" / "deploy.yml"),
+            "-e", f"dflash_release_source_dir={fleet.src / 'dflash_ops'}"]
 
 
 @dataclass
@@ -125,7 +126,7 @@ def in_fleet(pid: int, state_dir: Path) -> bool:
 
 
 def validations_in_flight(fleet) -> list[int]:
-    """Host pids of the trainer's config validation of a staged release (`python -m dflash.config
+    """Host pids of the trainer's config validation of a staged release (`python -m dflash_ops.config
     validate <root>/.staging-<id>/config.yaml`) in this fleet's containers: the controller sees every
     container's processes in its own /proc."""
     found = []
@@ -137,7 +138,7 @@ def validations_in_flight(fleet) -> list[int]:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if b"dflash.config" in argv and b"validate" in argv and any(b"/.staging-" in a for a in argv) \
+        if b"dflash_ops.config" in argv and b"validate" in argv and any(b"/.staging-" in a for a in argv) \
                 and in_fleet(int(entry), fleet.sim.state_dir):
             found.append(int(entry))
     return found
@@ -243,7 +244,7 @@ def release_problems(fleet, release_dir: str, vmid=VMID) -> list[str]:
     if "REVISION" not in found:
         problems.append(f"release {release_id} has no REVISION")
     quoted = shlex.quote(release_dir)
-    validate = fleet.ct(vmid, f"PYTHONPATH={quoted} {VENV_PYTHON} -m dflash.config validate "
+    validate = fleet.ct(vmid, f"PYTHONPATH={quoted} {VENV_PYTHON} -m dflash_ops.config validate "
                               f"--no-target-check {quoted}/config.yaml", timeout=120)
     if validate.returncode != 0:
         problems.append(f"release {release_id}: config does not validate: {validate.stderr.strip()}")

@@ -204,7 +204,7 @@ def is_run(proc):
     of its own process group (what training_run starts)."""
     argv = list(proc.argv)
     started_as_run = any(a.endswith("/run.sh") for a in argv[:2])
-    trainer = any(a == "-m" and b == "dflash.train" for a, b in zip(argv, argv[1:], strict=False))
+    trainer = any(a == "-m" and b == "dflash_ops.train" for a, b in zip(argv, argv[1:], strict=False))
     return proc.alive and proc.pid == proc.pgid and (started_as_run or trainer)
 
 

@@ -131,7 +131,7 @@ def pct_back(fleet):
 FEATURES = "/root/features-bad"
 # A feature cache of CT 200's live release: its target, layers and data (the capture's own CLI).
 CAPTURE = (f"rm -rf {FEATURES} && cd /opt/dflash/current && PYTHONPATH=/opt/dflash/current "
-           f"/opt/dflash/venv/bin/python -m dflash.capture --config config.yaml --out {FEATURES} "
+           f"/opt/dflash/venv/bin/python -m dflash_ops.capture --config config.yaml --out {FEATURES} "
            "--shard-mb 1 > /dev/null")
 PYTHON = "/opt/dflash/venv/bin/python -c "
 
@@ -234,7 +234,7 @@ CASES = [
     Case("A feature cache of another target", RESTART, CT200 + FROM_CACHE, cache_then(OTHER_TARGET),
          cache_gone,
          words=("data.features_path: /root/features-bad holds features of another target",
-                "python -m dflash.capture", "Fix dflash_release_features_path")),
+                "python -m dflash_ops.capture", "Fix dflash_release_features_path")),
     Case("A feature cache of other layer ids", RESTART,
          CT200 + extra(dflash_release_features_path=FEATURES,
                        dflash_release_settings={"model": {"target_layer_ids": [0]}}),
@@ -246,7 +246,7 @@ CASES = [
          CT200 + FROM_CACHE + CHECKSUMS,
          cache_then(FLIPPED_BYTE),
          cache_gone,
-         words=("shard-00000.safetensors is corrupt: its sha256 is", "run python -m dflash.capture again",
+         words=("shard-00000.safetensors is corrupt: its sha256 is", "run python -m dflash_ops.capture again",
                 "Fix dflash_release_features_path"), fast=True),
     Case("A feature cache without its manifest", RESTART, CT200 + FROM_CACHE,
          cache_then(f"rm {FEATURES}/manifest.json"), cache_gone,

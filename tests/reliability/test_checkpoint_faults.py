@@ -1,6 +1,6 @@
 """Stops at any moment never lose the saved step: SIGTERM and SIGKILL against the trainer.
 
-One output directory lives through a chain of runs of `python -m dflash.train` (each started in
+One output directory lives through a chain of runs of `python -m dflash_ops.train` (each started in
 its own session, as `training_run` starts it, under a umask of 000). Each run is ended by one fault:
 SIGTERM or SIGKILL at a random time in training, or SIGTERM or SIGKILL while a checkpoint is being
 written, at one of the points of the write (see checkpoint_support.POINTS; the full count covers
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.data.target import load_target
-from dflash.training.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
+from dflash_ops.data.target import load_target
+from dflash_ops.training.checkpoint import CHECKPOINT_DIR, CHECKPOINT_FILES, latest_checkpoint, load_drafter
 from pvesim.fleet import REPO, prepare_assets
 from tests.reliability.checkpoint_support import BEFORE_RENAME, POINTS
 from tests.reliability.trial_counts import trials
@@ -256,8 +256,8 @@ def test_no_stop_or_crash_loses_the_saved_step(tmp_path, target):
 def test_checkpoints_and_status_are_never_writable_by_others(tmp_path, umask, dir_mode, file_mode):
     import torch
 
-    from dflash.core.runtime import StatusFile
-    from dflash.training.checkpoint import save_checkpoint
+    from dflash_ops.core.runtime import StatusFile
+    from dflash_ops.training.checkpoint import save_checkpoint
 
     output_dir = tmp_path / "runs" / "main"
     previous = os.umask(umask)

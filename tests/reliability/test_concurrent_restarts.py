@@ -42,7 +42,7 @@ def runs():
     found = {}
     for pid, f, argv in proc_entries():
         as_run = any(a.endswith("/run.sh") for a in argv[:2])
-        trainer = any(a == "-m" and b == "dflash.train" for a, b in zip(argv, argv[1:]))
+        trainer = any(a == "-m" and b == "dflash_ops.train" for a, b in zip(argv, argv[1:]))
         if f[0] not in "ZX" and int(f[2]) == pid and (as_run or trainer):
             found[str(pid)] = int(f[19])
     return found

@@ -72,7 +72,7 @@ def decoy_commands(kind, current, release, rng):
     if kind == "editor on run.sh":
         return ["/usr/bin/python3", "-c", SLEEPER, "vim", script], {}
     if kind == "trainer's name":
-        return ["/usr/bin/python3", "-c", SLEEPER, "-m", "dflash.train", "dflash/train.py",
+        return ["/usr/bin/python3", "-c", SLEEPER, "-m", "dflash_ops.train", "dflash_ops/train.py",
                 "--config", f"{release}/config.yaml"], {}
     raise ValueError(kind)
 
@@ -99,7 +99,7 @@ def start_decoys(fleet, trial, rng, serial):
         assert still_there(table, decoy.pid, decoy.start_time), decoy
         decoy.argv = table[decoy.pid].argv
         # The decoy is one that a name pattern would hit.
-        assert any(s in " ".join(decoy.argv) for s in ("run.sh", LOG, "dflash.train")), decoy
+        assert any(s in " ".join(decoy.argv) for s in ("run.sh", LOG, "dflash_ops.train")), decoy
 
 
 def check_trial(fleet, trial, play):

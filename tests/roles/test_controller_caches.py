@@ -82,7 +82,7 @@ def test_a_cached_archive_is_reused_only_when_its_content_is_the_release(tmp_pat
     code = tmp_path / "pkg"
     code.mkdir()
     (code / "__init__.py").write_text("")
-    real = {"config.yaml": "a: 1\n", "run.sh": "#!/bin/sh\nexec python -m dflash.train\n"}
+    real = {"config.yaml": "a: 1\n", "run.sh": "#!/bin/sh\nexec python -m dflash_ops.train\n"}
     first = pack_release.pack(str(code), str(tmp_path / "build"), "rev", real)
     evil = pack_release.pack(str(code), str(tmp_path / "elsewhere"), "rev", {**real, "run.sh": "echo EVIL\n"})
     # Another user of the controller puts the evil archive in place of the real one, under the same id.

@@ -235,7 +235,7 @@ def test_the_first_deploy_with_a_secret_starts_the_run_and_never_shows_the_secre
     leaks = example.ct(f"grep -rl {SECRET} /var/log/dflash /opt/dflash /var/lib/dflash/main.pid "
                        "/var/lib/dflash/runs").stdout.split()
     assert leaks == []
-    # It trains the model of the node's read-only mount, from the checkout's dflash/.
+    # It trains the model of the node's read-only mount, from the checkout's dflash_ops/
     assert "/srv/models/tiny-demo" in example.ct("cat /opt/dflash/current/config.yaml").stdout
     assert (example.root / ".cache" / "releases").is_dir()
 

@@ -19,8 +19,8 @@ import torch
 import yaml
 from safetensors.torch import load as load_safetensors
 
-from dflash.data.target import load_target
-from dflash.serve.export import load_export
+from dflash_ops.data.target import load_target
+from dflash_ops.serve.export import load_export
 from pvesim.fleet import REPO, Fleet
 from tests.reliability.input_support import shown
 

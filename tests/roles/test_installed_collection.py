@@ -8,7 +8,7 @@ community.proxmox, the collection's one dependency, is the one the pinned `ansib
 Python's path (Ansible scans it for ansible_collections/): `--offline` resolves the dependency against it
 (`'community.proxmox:1.4.0' is already installed`), as it would against one installed from Galaxy with the
 root's requirements.yml. The trainer's source is not in the collection: a deploy is told where it is
-(-e dflash_release_source_dir=<a dflash-ops checkout>/dflash), and refuses clearly when it is not."""
+(-e dflash_release_source_dir=<a dflash-ops checkout>/dflash_ops), and refuses clearly when it is not."""
 
 import json
 import re
@@ -135,11 +135,12 @@ def test_a_deploy_runs_from_the_installed_collection_with_no_checkout(installed,
 
         res = playbook(installed, "-i", inventory, "dflash.ops.deploy")
         assert res.returncode != 0
-        assert "set dflash_release_source_dir to the dflash/ directory" in res.stdout, res.stdout + res.stderr
+        assert "set dflash_release_source_dir to the dflash_ops/ directory" in res.stdout, (
+            res.stdout + res.stderr)
         assert fleet.live_release(200) == "" and fleet.run_info(200) is None
 
         res = playbook(installed, "-vv", "-i", inventory, "dflash.ops.deploy",
-                       "-e", f"dflash_release_source_dir={fleet.src / 'dflash'}")
+                       "-e", f"dflash_release_source_dir={fleet.src / 'dflash_ops'}")
         assert res.returncode == 0, res.stdout[-6000:] + res.stderr
         task_paths = set(re.findall(r"^task path: (\S+?):\d+$", res.stdout, re.MULTILINE))
         assert task_paths, res.stdout[-3000:]
@@ -150,6 +151,6 @@ def test_a_deploy_runs_from_the_installed_collection_with_no_checkout(installed,
         assert run and run["argv"] == [f"{release_dir}/run.sh"] and fleet.alive(200, run["pid"]), run
         # The release is the source it was told of: its package's first file is the snapshot's.
         shipped = fleet.read(200, f"{release_dir}/dflash/__init__.py")
-        assert shipped == (fleet.src / "dflash" / "__init__.py").read_text()
+        assert shipped == (fleet.src / "dflash_ops" / "__init__.py").read_text()
     finally:
         fleet.down()

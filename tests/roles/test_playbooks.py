@@ -98,7 +98,7 @@ def test_deploy_ships_the_release_into_each_container_and_starts_the_run(fleet):
         assert release_dir == f"/opt/dflash/releases/{release_id}"
         # Every file of the release is in the container with the checksum it has on the controller.
         expected = fleet.release_files(release_id)
-        assert "config.yaml" in expected and "run.sh" in expected and "dflash/train.py" in expected
+        assert "config.yaml" in expected and "run.sh" in expected and "dflash_ops/train.py" in expected
         assert container_checksums(fleet, vmid, release_dir) == expected
         assert f"release: {release_id}" in fleet.read(vmid, f"{release_dir}/REVISION")
         # The run was started from that release and is alive.

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from dflash.core.config import load_config
+from dflash_ops.core.config import load_config
 from pvesim.fleet import REPO, run_playbook
 
 EXAMPLE = REPO / "inventory" / "production.example"

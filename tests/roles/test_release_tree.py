@@ -1,6 +1,6 @@
 """dflash_release_tree run the way Ansible runs a module (a JSON file of arguments, JSON on stdout), on
 local directories, with real release archives packed by its action plugin's release_pack and validated by
-the trainer's own `python -m dflash.config validate` (its documentation: test_module_docs.py)."""
+the trainer's own `python -m dflash_ops.config validate` (its documentation: test_module_docs.py)."""
 
 import base64
 import importlib.util
@@ -31,7 +31,7 @@ dflash_release_tree = load(TREE)
 GOOD = {"model": {"target_path": "/srv/models/target"}, "data": {"path": "/srv/data/train.jsonl"},
         "run": {"output_dir": "/var/lib/dflash/runs/main"}, "pipeline": {"device": "cpu"}}
 # What the role passes (dflash_release_check_paths false: the test machine has no target model).
-VALIDATE = {"validate_argv": [sys.executable, "-m", "dflash.config", "validate", "%s/config.yaml",
+VALIDATE = {"validate_argv": [sys.executable, "-m", "dflash_ops.config", "validate", "%s/config.yaml",
                               "--no-target-check"],
             "validate_environment": {"PYTHONPATH": "%s"}}
 RETURNED = {"current", "release", "live", "validated", "validation", "staging", "removed"}
@@ -49,7 +49,7 @@ class Tree:
     def pack(self, config, marker=""):
         """(release dir, base64 archive) of the trainer's code with `config` rendered."""
         files = {"config.yaml": yaml.safe_dump(config) + marker, "run.sh": "#!/bin/sh\nexit 0\n"}
-        built = pack_release.pack(str(REPO / "dflash"), str(self.build), "test", files)
+        built = pack_release.pack(str(REPO / "dflash_ops"), str(self.build), "test", files)
         return str(self.root / "releases" / built["id"]), open(built["archive_b64"]).read()
 
     def call(self, check=False, **args):
@@ -57,7 +57,7 @@ class Tree:
         args_file = self.tmp / f"args-{self.calls}.json"
         self.calls += 1
         args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-        # cwd away from the repository: `python -m dflash.config` must import the release's own code.
+        # cwd away from the repository: `python -m dflash_ops.config` must import the release's own code.
         # The module's own imports (the collection's module_utils) come from a path that holds the
         # collection alone, as Ansible's payload would give them.
         collection_path = self.tmp / "collection-path"
@@ -215,7 +215,7 @@ def test_the_directory_replaces_every_placeholder(tree):
     assert env == {"PYTHONPATH": "/r/.staging-a", "N": "1"}
     # In the container: the validation imports the staged release's code, not another copy.
     first, content = tree.pack(GOOD)
-    show = "import dflash, os; print(dflash.__file__, os.environ['WHERE'])"
+    show = "import dflash_ops, os; print(dflash_ops.__file__, os.environ['WHERE'])"
     res = tree.call(release=first, content=content, validate_argv=[sys.executable, "-c", show],
                     validate_environment={"PYTHONPATH": "%s", "WHERE": "at %s"})
     staging = dflash_release_tree.staging_dir(first)

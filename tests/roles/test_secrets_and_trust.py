@@ -143,7 +143,7 @@ def test_an_archive_swapped_in_the_controllers_cache_under_the_same_id_is_not_sh
     assert fleet.play("deploy.yml").rc == 0
     first = fleet.live_release(VMID)
     release_id = first.rsplit("/", 1)[1]
-    init = fleet.src / "dflash" / "__init__.py"
+    init = fleet.src / "dflash_ops" / "__init__.py"
     original = init.read_text()
     change_code(fleet.src, "swap")
     assert fleet.play("deploy.yml").rc == 0 and fleet.live_release(VMID) != first

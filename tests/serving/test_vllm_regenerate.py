@@ -1,4 +1,4 @@
-"""Regeneration on vLLM (its CPU build, the venv of `make serve-check`): `python -m dflash.data regenerate
+"""Regeneration on vLLM (its CPU build, the venv of `make serve-check`): `python -m dflash_ops.data regenerate
 --engine vllm` on the tiny demo target, beside the transformers path on the same prompts.
 
 - Faithful: in float32, greedy, vLLM's rows equal the transformers path's token for token on at least 90 % of
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve import KV_CACHE_GIB, SERVE_PYTHON, serve_venv_problem
-from dflash.data.regenerate import read_rows
+from dflash_ops.data.regenerate import read_rows
 
 pytestmark = pytest.mark.serve
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "OMP_NUM_THREADS": 
 
 def command(target: Path, prompts: Path, out: Path, engine: str, *extra: str) -> list[str]:
     python = ["--engine-python", str(SERVE_PYTHON)] if engine == "vllm" else []  # hf: in this process
-    return [sys.executable, "-m", "dflash.data", "regenerate", "--target", str(target),
+    return [sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", str(target),
             "--prompts", str(prompts), "--out", str(out), "--engine", engine, *python, "--dtype", "float32",
             "--max-length", "512", "--max-new-tokens", str(MAX_NEW_TOKENS), *extra]
 

@@ -3,7 +3,7 @@ demo target with an exported drafter through its offline API.
 
 A drafter trained briefly on the tiny demo assets is exported (float32); on the held-out prompts,
 vLLM's greedy output with the drafter must equal vLLM's output for the target alone, and both must
-equal `dflash.evaluate`'s decoding (the target's greedy output); vLLM's drafts must be our verify
+equal `dflash_ops.evaluate`'s decoding (the target's greedy output); vLLM's drafts must be our verify
 steps and its accepted tokens per draft position our accepted drafts, count for count.
 Marked `serve`: heavy (two engine starts), so it runs only under `make serve-check` (`pytest -m
 serve`), and skips, naming that target, while the venv is missing.

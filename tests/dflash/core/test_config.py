@@ -1,4 +1,4 @@
-"""Config loading and `python -m dflash.config validate`: bad input fails with a clear message."""
+"""Config loading and `python -m dflash_ops.config validate`: bad input fails with a clear message."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.core.config import ConfigError, config_from_dict, dump_config, load_config
+from dflash_ops.core.config import ConfigError, config_from_dict, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -101,7 +101,7 @@ def test_checks_against_the_target_on_disk(tiny_config, tmp_path):
 
 
 def validate(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.config", "validate", str(path)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "dflash_ops.config", "validate", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60, env=env)
 
 

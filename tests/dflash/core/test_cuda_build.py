@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.core import cuda_build
+from dflash_ops.core import cuda_build
 
 
 @pytest.mark.parametrize(("built", "driver_cuda", "runs", "words"), [

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import main as validate_main
-from dflash.core.config import ConfigError, check_against_target, config_from_dict, survey_data
-from dflash.run.main import main as train_main
+from dflash_ops.config import main as validate_main
+from dflash_ops.core.config import ConfigError, check_against_target, config_from_dict, survey_data
+from dflash_ops.run.main import main as train_main
 
 
 def write_rows(path: Path, prompt_lengths: list[int], response: int = 8) -> Path:
@@ -81,7 +81,7 @@ def test_a_hub_id_as_target_path_names_the_download_command(tiny_config, tmp_pat
 
 
 def test_a_hub_id_given_to_regenerate_is_refused_before_anything_loads(tmp_path, capsys):
-    from dflash.data.__main__ import main as data_main
+    from dflash_ops.data.__main__ import main as data_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

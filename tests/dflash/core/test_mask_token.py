@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.core.config import ConfigError, check_against_target, config_from_dict
-from dflash.core.mask_token import resolve_mask_token_id
-from dflash.run.main import run_single_process
-from dflash.training.checkpoint import latest_checkpoint
+from dflash_ops.core.config import ConfigError, check_against_target, config_from_dict
+from dflash_ops.core.mask_token import resolve_mask_token_id
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training.checkpoint import latest_checkpoint
 
 EOS = "<|endoftext|>"
 VOCAB = 128  # the tiny targets' embedding rows

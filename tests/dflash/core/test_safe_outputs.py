@@ -1,5 +1,5 @@
 """The trainer writes nothing through a symbolic link or into another user's directory: its output
-directory, checkpoints, TensorBoard directory, status.json and metrics.jsonl (dflash.core.safe_paths)."""
+directory, checkpoints, TensorBoard directory, status.json and metrics.jsonl (dflash_ops.core.safe_paths)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import os
 import pytest
 import yaml
 
-from dflash.core.config import ConfigError, config_from_dict, load_config
-from dflash.core.runtime import ensure_dir, write_file
-from dflash.core.safe_paths import UnsafePath
-from dflash.run.main import EXIT_BAD_INPUT, run_single_process
-from dflash.training.checkpoint import latest_checkpoint, list_checkpoints
-from dflash.training.telemetry import RunTelemetry
+from dflash_ops.core.config import ConfigError, config_from_dict, load_config
+from dflash_ops.core.runtime import ensure_dir, write_file
+from dflash_ops.core.safe_paths import UnsafePath
+from dflash_ops.run.main import EXIT_BAD_INPUT, run_single_process
+from dflash_ops.training.checkpoint import latest_checkpoint, list_checkpoints
+from dflash_ops.training.telemetry import RunTelemetry
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""A feature cache of a subset of the data (`python -m dflash.capture --rows A:B | --fraction F`): the rows
-are written beside the cache as its data set, the plan says which rows of which file it holds, a run that
+"""A feature cache of a subset of the data (`python -m dflash_ops.capture --rows A:B | --fraction F`): the
+rows are written beside the cache as its data set, the plan says which rows of which file it holds, a run that
 names that file trains from it, and one that names the whole file is told which data.path to set."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from dflash.capture import main as capture_main
-from dflash.core.config import ConfigError, config_from_dict
-from dflash.data.feature_cache import MANIFEST, check_cache
-from dflash.data.subset import SUBSET_FILE, chosen_rows, parse_rows
-from dflash.run.main import run_single_process
+from dflash_ops.capture import main as capture_main
+from dflash_ops.core.config import ConfigError, config_from_dict
+from dflash_ops.data.feature_cache import MANIFEST, check_cache
+from dflash_ops.data.subset import SUBSET_FILE, chosen_rows, parse_rows
+from dflash_ops.run.main import run_single_process
 
 
 def test_rows_and_fractions_choose_the_rows_they_say():

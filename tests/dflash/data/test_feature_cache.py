@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.capture import main as capture_main
-from dflash.config import main as config_main
-from dflash.core.config import ConfigError, config_from_dict
-from dflash.core.runtime import StopSignal
-from dflash.data import capture as capture_module
-from dflash.data.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
-from dflash.data.examples import collate, load_examples
-from dflash.data.feature_cache import MANIFEST, PLAN, check_cache
-from dflash.data.target import load_target, target_hidden_states
-from dflash.run.main import run_single_process
+from dflash_ops.capture import main as capture_main
+from dflash_ops.config import main as config_main
+from dflash_ops.core.config import ConfigError, config_from_dict
+from dflash_ops.core.runtime import StopSignal
+from dflash_ops.data import capture as capture_module
+from dflash_ops.data.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
+from dflash_ops.data.examples import collate, load_examples
+from dflash_ops.data.feature_cache import MANIFEST, PLAN, check_cache
+from dflash_ops.data.target import load_target, target_hidden_states
+from dflash_ops.run.main import run_single_process
 from tests.dflash.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[3]
@@ -125,7 +125,7 @@ def test_a_stopped_capture_resumes_by_shard_and_writes_what_one_run_writes(tiny_
     assert start["bytes_per_token"] > 32 * 4  # the tiny target's one layer: 32 float32 features a token
     assert not (out / MANIFEST).exists() and (out / PLAN).is_file()
     unfinished = config_from_dict(tiny_config(tmp_path / "run", data={"features_path": str(out)}))
-    with pytest.raises(ConfigError, match="not finished .2 shard file.s. written.: run python -m dflash"):
+    with pytest.raises(ConfigError, match="not finished .2 shard file.s. written.: run python -m dflash_ops"):
         check_cache(unfinished)
     # A kill half-way through the third shard leaves its temp file; a shard without its record is redone.
     (out / f".{expected[2]['name']}.tmp").write_bytes(b"partial")
@@ -189,7 +189,7 @@ BAD_CACHES = {
     "corrupt shard": (lambda out: corrupt(out / "shard-00001.safetensors"),
                       {"data": {"features_verify": "checksums"}},
                       r"shard-00001.safetensors is corrupt: its sha256 is .*remove it and run python -m "
-                      "dflash.capture"),
+                      "dflash_ops.capture"),
     "truncated shard": (lambda out: os.truncate(out / "shard-00002.safetensors", 100), {},
                         "shard-00002.safetensors is truncated or damaged: 100 bytes, the manifest says"),
     "other layer ids": (None, {"model": {"target_layer_ids": [1]}},
@@ -227,7 +227,8 @@ def test_a_cache_of_another_target_or_data_set_is_refused(cached, tiny_config, t
     raw["model"]["target_path"] = str(other)
     with pytest.raises(ConfigError, match="of another target .*weights_fingerprint") as refused:
         check_cache(config_from_dict(raw))
-    assert refused.value.key == "data.features_path" and "python -m dflash.capture" in refused.value.message
+    assert refused.value.key == "data.features_path"
+    assert "python -m dflash_ops.capture" in refused.value.message
     data = tmp_path / "other.jsonl"
     data.write_text(tiny_dataset.read_text().replace("[0,", "[1,", 1) + "\n")
     raw = cfg.to_dict()
@@ -272,8 +273,8 @@ def test_validate_refuses_a_corrupt_cache_before_a_deploy_stops_anything(cached,
     assert config_main(["validate", "--json", str(config)]) == 0
     capsys.readouterr()
     corrupt(out / "shard-00000.safetensors")
-    # As a deploy runs it: its own process, where dflash.config is __main__.
-    validate = subprocess.run([sys.executable, "-m", "dflash.config", "validate", "--json", str(config)],
+    # As a deploy runs it: its own process, where dflash_ops.config is __main__.
+    validate = subprocess.run([sys.executable, "-m", "dflash_ops.config", "validate", "--json", str(config)],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
     assert validate.returncode == 2 and "Traceback" not in validate.stderr, validate.stderr
     verdict = json.loads(validate.stdout)

@@ -9,10 +9,10 @@ import json
 import pytest
 import yaml
 
-from dflash.core.config import ConfigError, config_from_dict
-from dflash.data.examples import DataError, load_examples, training_examples
-from dflash.run.main import main as train_main
-from dflash.training.drafter_run import heldout_examples
+from dflash_ops.core.config import ConfigError, config_from_dict
+from dflash_ops.data.examples import DataError, load_examples, training_examples
+from dflash_ops.run.main import main as train_main
+from dflash_ops.training.drafter_run import heldout_examples
 
 # (prompt tokens, loss tokens) of each row: around the minimum of 16 (SpecForge's 2 * block_size for b = 8).
 SHAPES = [(4, 15), (4, 16), (2, 17), (6, 3), (3, 40), (5, 0), (8, 16)]

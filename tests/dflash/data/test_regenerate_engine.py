@@ -1,5 +1,5 @@
-"""Regeneration on engines in processes of their own (`dflash.data.regenerate_engine`), here transformers'
-engine behind the protocol vLLM's runs behind (`dflash.data.engine_worker`; vLLM itself:
+"""Regeneration on engines in processes of their own (`dflash_ops.data.regenerate_engine`), here transformers'
+engine behind the protocol vLLM's runs behind (`dflash_ops.data.engine_worker`; vLLM itself:
 tests/serving/test_vllm_regenerate.py, `make regenerate-check`): rows as the in-process path writes them,
 an engine killed mid-job reported with its exit and the rows kept for the next call, a stop that ends the
 engine, and the refusals that come before anything starts."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.data.data_manifest import manifest_path
-from dflash.data.regenerate import GenerationSettings, parts_record_path, read_rows, regenerate
+from dflash_ops.data.data_manifest import manifest_path
+from dflash_ops.data.regenerate import GenerationSettings, parts_record_path, read_rows, regenerate
 from tests.dflash.data.test_regenerate_stop import REPO, chat_target, write_prompts
 
 SETTINGS = GenerationSettings(4, batch_size=2)
@@ -29,7 +29,7 @@ def target(tmp_path_factory) -> str:
 
 
 def cli(target: str, prompts: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dflash.data", "regenerate", "--target", target, "--prompts", prompts,
+    return [sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", target, "--prompts", prompts,
             "--out", str(out), "--dtype", "float32", "--max-length", "256", *extra]
 
 

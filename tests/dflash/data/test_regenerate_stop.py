@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.data.data_manifest import manifest_path
-from dflash.data.regenerate import GenerationSettings, regenerate
+from dflash_ops.data.data_manifest import manifest_path
+from dflash_ops.data.regenerate import GenerationSettings, regenerate
 from tests.dflash.conftest import make_tiny_target
 from tests.dflash.data.test_regenerate_thinking import QWEN3_LIKE, save_chat_tokenizer
 
@@ -68,8 +68,9 @@ def test_a_stopped_regeneration_keeps_its_rows_and_the_next_call_finishes(target
 
 def test_sigterm_says_where_it_stopped_and_exits_0(target, tmp_path):
     prompts, out = write_prompts(tmp_path / "prompts.jsonl", 400), tmp_path / "train.jsonl"
-    command = [sys.executable, "-m", "dflash.data", "regenerate", "--target", target, "--prompts", prompts,
-               "--out", str(out), "--max-new-tokens", "3", "--batch-size", "1", "--progress-every", "1"]
+    command = [sys.executable, "-m", "dflash_ops.data", "regenerate", "--target", target,
+               "--prompts", prompts, "--out", str(out), "--max-new-tokens", "3", "--batch-size", "1",
+               "--progress-every", "1"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert json.loads(process.stdout.readline())["event"] == "engine"

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import main as validate_main
-from dflash.core.config import ConfigError, config_from_dict
-from dflash.data import regenerate as regen
-from dflash.data.__main__ import main as data_main
-from dflash.data.data_manifest import check_thinking_mode, manifest_path
-from dflash.data.regenerate import GenerationSettings, ThinkingModeError, parts_record_path, regenerate
-from dflash.run.main import main as train_main
+from dflash_ops.config import main as validate_main
+from dflash_ops.core.config import ConfigError, config_from_dict
+from dflash_ops.data import regenerate as regen
+from dflash_ops.data.__main__ import main as data_main
+from dflash_ops.data.data_manifest import check_thinking_mode, manifest_path
+from dflash_ops.data.regenerate import GenerationSettings, ThinkingModeError, parts_record_path, regenerate
+from dflash_ops.run.main import main as train_main
 from tests.dflash.conftest import make_tiny_target, write_dataset
 
 SETTINGS = GenerationSettings(max_new_tokens=3, batch_size=2)

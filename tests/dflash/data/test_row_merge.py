@@ -1,4 +1,4 @@
-"""Regeneration's merge (`dflash.data.row_merge`): the rows of the output and its parts, by id, the later
+"""Regeneration's merge (`dflash_ops.data.row_merge`): the rows of the output and its parts, by id, the later
 of two with one id, a line cut short skipped, in memory that does not grow with the rows' length."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash.data.regenerate import merge
+from dflash_ops.data.regenerate import merge
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -45,7 +45,7 @@ def test_the_merge_s_memory_does_not_grow_with_the_rows_length(tmp_path):
             for i in reversed(range(replica, rows, 2)):
                 part.write(f'{{"id": {i}, "input_ids": [{tokens}], "loss_mask": [{mask}]}}\n')
     data = sum(p.stat().st_size for p in tmp_path.glob("train.jsonl.part-*"))
-    script = ("import sys\nfrom dflash.data.regenerate import merge\n"
+    script = ("import sys\nfrom dflash_ops.data.regenerate import merge\n"
               "def status(field):\n"
               "    lines = open('/proc/self/status')\n"
               "    return next(int(x.split()[1]) for x in lines if x.startswith(field)) * 1024\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.data.target import load_target, target_hidden_states, target_hidden_states_all_layers
+from dflash_ops.data.target import load_target, target_hidden_states, target_hidden_states_all_layers
 
 
 def padded_batch(seed: int = 0):

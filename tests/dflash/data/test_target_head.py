@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target, load_target_head
-from dflash.training.trainer import build_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target, load_target_head
+from dflash_ops.training.trainer import build_drafter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

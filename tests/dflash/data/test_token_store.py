@@ -1,5 +1,5 @@
-"""The token store (dflash.core.token_store, dflash.data.pack): the same rows as the JSON lines, in the
-same order, under every truncation and filter; used only while it is fresh; written whole or not at all;
+"""The token store (dflash_ops.core.token_store, dflash_ops.data.pack): the same rows as the JSON lines, in
+the same order, under every truncation and filter; used only while it is fresh; written whole or not at all;
 and read in place, so that a rank's memory does not grow with the data set."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
-from dflash.core.config import count_examples
-from dflash.core.token_store import StoreWriter, fresh_store, store_path
-from dflash.data.__main__ import main as data_main
-from dflash.data.examples import DataError, load_examples, training_examples
-from dflash.data.pack import pack
-from dflash.run.main import main as train_main
+from dflash_ops.core.config import count_examples
+from dflash_ops.core.token_store import StoreWriter, fresh_store, store_path
+from dflash_ops.data.__main__ import main as data_main
+from dflash_ops.data.examples import DataError, load_examples, training_examples
+from dflash_ops.data.pack import pack
+from dflash_ops.run.main import main as train_main
 from tests.dflash.conftest import write_dataset
 
 REPO = Path(__file__).resolve().parents[3]
@@ -132,9 +132,9 @@ def test_a_ranks_memory_stays_flat_over_a_million_rows(tmp_path):
     probe = f"""
 import json, resource, sys
 import numpy as np, torch
-from dflash.data.examples import BatchOrder, collate
-from dflash.core.token_store import TokenStore
-from dflash.data.examples import StoredExamples
+from dflash_ops.data.examples import BatchOrder, collate
+from dflash_ops.core.token_store import TokenStore
+from dflash_ops.data.examples import StoredExamples
 
 def rss_mb():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -145,7 +145,7 @@ before = rss_mb()
 examples = StoredExamples(TokenStore({str(tmp_path / "big.tokens")!r}), max_length=3072, min_loss_tokens=16)
 order = BatchOrder(len(examples), 64, seed=0)
 rank, ranks, seen = 1, 5, 0
-for i in range(400 * ranks):  # a target rank of 5 computes every 5th batch (dflash.run.pipeline)
+for i in range(400 * ranks):  # a target rank of 5 computes every 5th batch (dflash_ops.run.pipeline)
     indices = order.next_batch()
     if i % ranks == rank:
         seen += int(collate([examples[j] for j in indices])["attention_mask"].sum())

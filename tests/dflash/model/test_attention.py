@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.model.attention import BlockSparseMask
-from dflash.model.drafter import DFlashDrafter, DrafterConfig, sliding_window_mask
-from dflash.model.loss import build_block_attention_mask
+from dflash_ops.model.attention import BlockSparseMask
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig, sliding_window_mask
+from dflash_ops.model.loss import build_block_attention_mask
 
 BLOCK = 4
 # Three documents; anchors sorted in each, one at 0 (a block that sees no context at all).

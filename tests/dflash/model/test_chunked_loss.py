@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
-from dflash.core.config import DEFAULT_LOSS_CHUNK_SIZE, ConfigError, config_from_dict
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.model.loss import build_block_batch, chunked_head_loss, count_correct_by_position, dflash_loss
-from dflash.training.trainer import DrafterTrainer, build_drafter, compute_precision, scored_loss
+from dflash_ops.core.config import DEFAULT_LOSS_CHUNK_SIZE, ConfigError, config_from_dict
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.model.loss import build_block_batch, chunked_head_loss, count_correct_by_position, dflash_loss
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, compute_precision, scored_loss
 
 # bf16 runs the head in bf16 on both paths; what differs is the order of float32 sums.
 TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-7), "bfloat16": dict(rtol=1e-3, atol=1e-6)}

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from dflash.core.config import ConfigError, config_from_dict
-from dflash.model.loss import chunked_head_loss, dflash_loss, dpace_row_weights, dpace_weights
-from dflash.run.main import run_single_process
-from dflash.serve.export import export_checkpoint
-from dflash.training.checkpoint import check_loss_weighting, latest_checkpoint
+from dflash_ops.core.config import ConfigError, config_from_dict
+from dflash_ops.model.loss import chunked_head_loss, dflash_loss, dpace_row_weights, dpace_weights
+from dflash_ops.run.main import run_single_process
+from dflash_ops.serve.export import export_checkpoint
+from dflash_ops.training.checkpoint import check_loss_weighting, latest_checkpoint
 
 
 def ce_of(confidences: list[float]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""FlexAttention's block pattern (`dflash.model.flex`): equal to SDPA with the dense block mask and to the
+"""FlexAttention's block pattern (`dflash_ops.model.flex`): equal to SDPA with the dense block mask and to the
 tiles (`BlockSparseMask`), forward and gradients, full and sliding, ragged documents, padded shapes, a
 group with no block; the mask itself equal to the dense one entry by entry.
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.model.attention import BlockSparseMask
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.flex import FlexBlockMask, choose_attention, padded_rows
-from dflash.model.loss import build_block_attention_mask
+from dflash_ops.model.attention import BlockSparseMask
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.flex import FlexBlockMask, choose_attention, padded_rows
+from dflash_ops.model.loss import build_block_attention_mask
 
 BLOCK = 4
 # Three documents, the middle one without a block (ragged); anchors sorted, one at 0 (no context).

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
-from dflash.model.hidden_states import document_ids, get_hidden_states_packed, get_hidden_states_padded
+from dflash_ops.model.hidden_states import document_ids, get_hidden_states_packed, get_hidden_states_padded
 
 
 def ragged_batch(lengths: list[int], max_len: int, hidden: int, n_layers: int, left_pad: bool,

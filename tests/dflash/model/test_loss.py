@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.core.config import default_gamma
-from dflash.model.loss import (
+from dflash_ops.core.config import default_gamma
+from dflash_ops.model.loss import (
     block_accuracy,
     build_block_attention_mask,
     build_block_batch,
@@ -19,7 +19,7 @@ from dflash.model.loss import (
     loss_decay,
     sample_anchors,
 )
-from dflash.training.trainer import lr_multiplier
+from dflash_ops.training.trainer import lr_multiplier
 
 MASK = 99
 BLOCK = 4

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.core.config import config_from_dict
-from dflash.core.target_layers import build_target_layer_ids
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.hidden_states import get_hidden_states_packed
-from dflash.model.loss import build_block_batch, dflash_loss
-from dflash.training.trainer import DrafterTrainer, build_drafter, document_groups
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.target_layers import build_target_layer_ids
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.hidden_states import get_hidden_states_packed
+from dflash_ops.model.loss import build_block_batch, dflash_loss
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, document_groups
 
 BLOCK = 4
 VOCAB = 50

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import load_target
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.loss import build_block_batch
-from dflash.run.main import run_single_process
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, load_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import load_target
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.loss import build_block_batch
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint, load_drafter
 
 BLOCK, VOCAB, WINDOW = 4, 50, 3
 LENGTH, ANCHOR = 16, 10

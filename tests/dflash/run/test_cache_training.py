@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from dflash.core.config import config_from_dict
-from dflash.core.runtime import StopSignal
-from dflash.data.capture import capture
-from dflash.data.examples import BatchOrder
-from dflash.run import cache_feed
-from dflash.run.transport import FEED_DONE
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.runtime import StopSignal
+from dflash_ops.data.capture import capture
+from dflash_ops.data.examples import BatchOrder
+from dflash_ops.run import cache_feed
+from dflash_ops.run.transport import FEED_DONE
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
 from tests.dflash.data.test_feature_cache import SMALL_SHARDS, Log
 from tests.dflash.training.test_train import step_losses, train_in_process
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.capture import main as capture_main
-from dflash.config import main as config_main
-from dflash.core.config import SECTIONS, load_config
-from dflash.run.main import main as train_main
-from dflash.training.checkpoint import latest_checkpoint
+from dflash_ops.capture import main as capture_main
+from dflash_ops.config import main as config_main
+from dflash_ops.core.config import SECTIONS, load_config
+from dflash_ops.run.main import main as train_main
+from dflash_ops.training.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -98,7 +98,7 @@ def test_help_lists_the_sections_and_the_reference_lists_every_key(capsys):
     with pytest.raises(SystemExit):
         train_main(["--help"])
     shown = capsys.readouterr().out
-    assert "python -m dflash.config reference" in shown and "--dry-run" in shown
+    assert "python -m dflash_ops.config reference" in shown and "--dry-run" in shown
     assert all(re.search(rf"^  {name}\s", shown, re.M) for name in SECTIONS)
     assert config_main(["reference"]) == 0
     reference = capsys.readouterr().out
@@ -111,13 +111,13 @@ def test_help_lists_the_sections_and_the_reference_lists_every_key(capsys):
 
 
 def test_a_pipelines_workers_get_the_command_lines_overrides(monkeypatch):
-    from dflash.core.config import PipelineConfig
-    from dflash.run import pipeline
-    from dflash.run.launcher import torchrun_command
+    from dflash_ops.core.config import PipelineConfig
+    from dflash_ops.run import pipeline
+    from dflash_ops.run.launcher import torchrun_command
 
     command = torchrun_command(PipelineConfig(target_workers=1, drafter_workers=1), "/srv/config.yaml", 2,
                                "/tmp/errors", ("optim.lr=1e-3", "run.seed=2"))
-    worker_args = command[command.index("dflash.run.pipeline") + 1:]
+    worker_args = command[command.index("dflash_ops.run.pipeline") + 1:]
     assert worker_args == ["--config", "/srv/config.yaml", "optim.lr=1e-3", "run.seed=2"]
     seen = {}
     monkeypatch.setattr(pipeline, "worker_main", lambda path, overrides: seen.update(path=path, o=overrides))

@@ -1,10 +1,10 @@
-"""status.json follows the run's log, line by line, in either layout (dflash.run.status)."""
+"""status.json follows the run's log, line by line, in either layout (dflash_ops.run.status)."""
 
 from __future__ import annotations
 
 import json
 
-from dflash.run.status import RunStatus
+from dflash_ops.run.status import RunStatus
 
 
 def follow(status: RunStatus, *records: dict) -> dict:

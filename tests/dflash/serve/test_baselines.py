@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.serve.baselines import lookup_continuation, prompt_lookup_proposer
-from dflash.training.heldout import replay_acceptance
+from dflash_ops.serve.baselines import lookup_continuation, prompt_lookup_proposer
+from dflash_ops.training.heldout import replay_acceptance
 
 NO_CONTEXT = torch.zeros(0, 1)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.model.drafter import DrafterConfig
-from dflash.model.loss import build_block_attention_mask
-from dflash.serve.export import drafter_hf_config
+from dflash_ops.model.drafter import DrafterConfig
+from dflash_ops.model.loss import build_block_attention_mask
+from dflash_ops.serve.export import drafter_hf_config
 
 BLOCK = 4
 TARGET = {"model_type": "qwen3", "num_hidden_layers": 4, "max_position_embeddings": 64}

@@ -1,4 +1,4 @@
-"""`dflash.evaluate` as users expect it: the held-out rows of data.eval_path, a checkpoint or an export,
+"""`dflash_ops.evaluate` as users expect it: the held-out rows of data.eval_path, a checkpoint or an export,
 the checkpoint's own config when --config is absent, and one clear line for a drafter of another target."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.run.main import main as train_main
-from dflash.serve.evaluate import main as evaluate_main
-from dflash.serve.export import export_checkpoint
-from dflash.training.checkpoint import latest_checkpoint
+from dflash_ops.run.main import main as train_main
+from dflash_ops.serve.evaluate import main as evaluate_main
+from dflash_ops.serve.export import export_checkpoint
+from dflash_ops.training.checkpoint import latest_checkpoint
 
 QUICK = ["--num-prompts", "2", "--max-new-tokens", "4", "--no-target-row", "--json"]
 

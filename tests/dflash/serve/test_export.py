@@ -17,13 +17,13 @@ from transformers import Qwen3Config
 from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import load_target
-from dflash.model.loss import build_block_attention_mask
-from dflash.run.main import run_single_process
-from dflash.serve.export import load_export
-from dflash.serve.export import main as export_main
-from dflash.training.checkpoint import latest_checkpoint, load_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import load_target
+from dflash_ops.model.loss import build_block_attention_mask
+from dflash_ops.run.main import run_single_process
+from dflash_ops.serve.export import load_export
+from dflash_ops.serve.export import main as export_main
+from dflash_ops.training.checkpoint import latest_checkpoint, load_drafter
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -177,7 +177,7 @@ def test_the_default_export_is_bf16_with_the_rope_base_both_ways_its_code_and_a_
     assert (config["rope_theta"], config["rope_scaling"]) == (theta, None)  # what transformers 4 reads
     assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     for name in ("modeling_dflash.py", "drafter.py"):  # the code auto_map names, as this package has it
-        assert (out / name).read_text() == (REPO / "dflash" / "model" / name).read_text()
+        assert (out / name).read_text() == (REPO / "dflash_ops" / "model" / name).read_text()
 
     readme = (out / "README.md").read_text()
     block_size = config["dflash_config"]["block_size"]

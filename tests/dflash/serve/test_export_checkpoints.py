@@ -1,6 +1,6 @@
 """Which checkpoint an export takes, and an export that can be checked and kept: `find_checkpoint` picks
 a complete checkpoint by the rule the trainer resumes by and says why there is none (no run, none yet,
-not that step, one the run is still writing); `python -m dflash.export --into DIR [--step N]` writes
+not that step, one the run is still writing); `python -m dflash_ops.export --into DIR [--step N]` writes
 DIR/step-<N> with a SHA256SUMS, keeps an export that still matches it, and `--plan` writes nothing."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import load_target
-from dflash.run.main import run_single_process
-from dflash.serve.export import MANIFEST, load_export
-from dflash.serve.export import main as export_main
-from dflash.training import checkpoint as checkpoint_module
-from dflash.training.checkpoint import (
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import load_target
+from dflash_ops.run.main import run_single_process
+from dflash_ops.serve.export import MANIFEST, load_export
+from dflash_ops.serve.export import main as export_main
+from dflash_ops.training import checkpoint as checkpoint_module
+from dflash_ops.training.checkpoint import (
     CHECKPOINT_FILES,
     CheckpointNotFoundError,
     checkpoint_name,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from dflash.run.main import main as train_main
-from dflash.serve.export import main as export_main
-from dflash.training.checkpoint import list_checkpoints, step_of
-from dflash.training.plots import main as plots_main
+from dflash_ops.run.main import main as train_main
+from dflash_ops.serve.export import main as export_main
+from dflash_ops.training.checkpoint import list_checkpoints, step_of
+from dflash_ops.training.plots import main as plots_main
 
 
 def train(tiny_config, tmp_path: Path, capsys, **sections) -> Path:

@@ -21,14 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import load_target
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.loss import build_block_attention_mask
-from dflash.run.main import run_single_process
-from dflash.serve.export import load_export
-from dflash.serve.export import main as export_main
-from dflash.training.checkpoint import latest_checkpoint, load_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import load_target
+from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.loss import build_block_attention_mask
+from dflash_ops.run.main import run_single_process
+from dflash_ops.serve.export import load_export
+from dflash_ops.serve.export import main as export_main
+from dflash_ops.training.checkpoint import latest_checkpoint, load_drafter
 from tests.dflash.conftest import _tiny_config_dict, make_tiny_target
 
 REPO = Path(__file__).resolve().parents[3]

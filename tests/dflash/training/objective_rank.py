@@ -13,14 +13,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target
-from dflash.training.trainer import DrafterTrainer, build_drafter, reduce_step
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, reduce_step
 
 
 def step_on(trainer: DrafterTrainer, target, documents: list[tuple[list[int], list[int]]], layer_ids):
     """One train_step on `documents` ([(input_ids, loss_mask)]), right-padded into one batch."""
-    from dflash.data.target import target_hidden_states
+    from dflash_ops.data.target import target_hidden_states
 
     width = max(len(ids) for ids, _ in documents)
     ids = torch.zeros(len(documents), width, dtype=torch.int64)

@@ -1,6 +1,6 @@
 """A run trained by the trainer of an earlier release resumes under this one: the checkpoint format is
 a contract (docs/CONTRACTS.md), not an accident of the package's layout. The earlier trainer is
-96e5340's (the flat `dflash/`, before the layers), taken from this repository's own history."""
+96e5340's (the flat `dflash/`, before the layers and the rename), taken from this repository's own history."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ EARLIER = "96e5340"  # the last tree with the flat package
 
 
 def earlier_trainer(into: Path) -> Path:
-    """The earlier release's `dflash/` unpacked into `into`; skips where the history is not here."""
+    """The earlier release's `dflash/` (the package's name then) unpacked into `into`; skips without
+    history."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", EARLIER, "dflash"],
                              capture_output=True)
     if archive.returncode != 0:
@@ -32,8 +33,8 @@ def earlier_trainer(into: Path) -> Path:
     return into
 
 
-def train(code: Path, config: Path) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config)], cwd=code,
+def train(code: Path, config: Path, package: str = "dflash_ops") -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", f"{package}.train", "--config", str(config)], cwd=code,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(code)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,7 +48,7 @@ def test_a_run_the_earlier_trainer_checkpointed_resumes_at_its_saved_step_plus_o
     config = tmp_path / "config.yaml"
     raw = tiny_config(out, optim={"total_steps": 6}, run={"max_steps_per_run": 3})
     config.write_text(yaml.safe_dump(raw))
-    first = train(earlier, config)
+    first = train(earlier, config, package="dflash")
     assert [e["step"] for e in first if e["event"] == "step"] == [1, 2, 3]
     second = train(REPO, config)
     resumed = [e for e in second if e["event"] == "resume"]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.core.config import ConfigError, config_from_dict, dump_config, load_config, with_examples
-from dflash.core.sections import steps_for_epochs
-from dflash.run.main import run_single_process
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_ops.core.config import ConfigError, config_from_dict, dump_config, load_config, with_examples
+from dflash_ops.core.sections import steps_for_epochs
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
 from tests.dflash.conftest import write_dataset
 
 REPO = Path(__file__).resolve().parents[3]
@@ -86,7 +86,7 @@ def test_load_config_derives_the_steps_of_each_layout(tiny_config, tmp_path, dra
 
 
 def test_the_count_is_the_loaders_less_the_examples_min_loss_tokens_drops(tiny_config, tmp_path):
-    from dflash.data.examples import training_examples
+    from dflash_ops.data.examples import training_examples
 
     raw = tiny_config(tmp_path / "run", optim=EPOCHS, data={"min_loss_tokens": 30})
     cfg = load_config(write(tmp_path / "c.yaml", raw))
@@ -158,7 +158,7 @@ def test_a_pipeline_of_d_drafters_takes_d_batches_a_step_and_stops_at_the_derive
     out = tmp_path / "run"
     config = write(tmp_path / "config.yaml", tiny_config(out, optim=EPOCHS, pipeline=layout(drafters),
                                                           run={"save_every": 1000}))
-    done = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "dflash_ops.train", "--config", str(config)], cwd=REPO,
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from dflash.core.config import ConfigError
-from dflash.run.main import main as train_main
-from dflash.training.checkpoint import list_checkpoints, move_run_aside, save_checkpoint, step_of
+from dflash_ops.core.config import ConfigError
+from dflash_ops.run.main import main as train_main
+from dflash_ops.training.checkpoint import list_checkpoints, move_run_aside, save_checkpoint, step_of
 
 
 def write_config(path: Path, raw: dict) -> str:

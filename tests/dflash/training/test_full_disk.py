@@ -14,10 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from dflash.core.config import config_from_dict
-from dflash.core.runtime import EventLog
-from dflash.run.main import run_single_process
-from dflash.training.checkpoint import latest_checkpoint, list_checkpoints
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.runtime import EventLog
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training.checkpoint import latest_checkpoint, list_checkpoints
 
 REPO = Path(__file__).resolve().parents[3]
 # One tiny checkpoint takes about 160 KiB: this holds one and the run's small files, not two.
@@ -88,7 +88,7 @@ def test_a_run_whose_log_is_full_trains_to_the_end_and_status_json_says_why(
     config.write_text(yaml.safe_dump(tiny_config(out, optim={"total_steps": 30},
                                                  run={"save_every": 10, "log_every": 1})))
     with open(fs / "main.log", "ab") as log:
-        done = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(config)], cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "dflash_ops.train", "--config", str(config)], cwd=REPO,
                               stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)},
                               timeout=300)
     assert done.returncode == 0

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target
-from dflash.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
 RANK = Path(__file__).with_name("objective_rank.py")
 REPO = Path(__file__).resolve().parents[3]

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from benchmarks.heldout_capture import measure
-from dflash.training import memory_fit
+from dflash_ops.training import memory_fit
 
 
 @pytest.mark.parametrize("intermediate", [256, 384])  # an MLP of 2H and one of 3H (Qwen3's)

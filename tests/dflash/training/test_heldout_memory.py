@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
-from dflash.core.config import config_from_dict
-from dflash.data.examples import Example
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.training.heldout import HeldOutEvaluator
-from dflash.training.trainer import DrafterTrainer, build_drafter, compute_precision, resolve_layer_ids
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.examples import Example
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.training.heldout import HeldOutEvaluator
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, compute_precision, resolve_layer_ids
 
 VOCAB, LENGTH, PROMPT, ANCHORS, CHUNK = 8192, 160, 16, 64, 32
 

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.model.flex import AttentionChoice
-from dflash.training import trainer as trainer_module
-from dflash.training.trainer import HOST_READS, DrafterTrainer, build_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.model.flex import AttentionChoice
+from dflash_ops.training import trainer as trainer_module
+from dflash_ops.training.trainer import HOST_READS, DrafterTrainer, build_drafter
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 HOT_PATH = "DrafterTrainer.forward_backward"

@@ -1,4 +1,4 @@
-"""The memory-fit check of `python -m dflash.config validate`: each rank's predicted peak against the
+"""The memory-fit check of `python -m dflash_ops.config validate`: each rank's predicted peak against the
 GPUs the config gets, offline (`--gpu-memory`) and from nvidia-smi (a fake one on PATH, as the
 container's driver would answer), refused with the per-term figures and the knob to turn."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.core.config import load_config
-from dflash.training import memory_fit
+from dflash_ops.core.config import load_config
+from dflash_ops.training import memory_fit
 
 REPO = Path(__file__).resolve().parents[3]
 # Qwen3-8B's config.json, the fields the trainer reads (no weights: validate reads only the shape).
@@ -50,7 +50,7 @@ def recipe(tmp_path):
 
 
 def validate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.config", "validate", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "dflash_ops.config", "validate", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
 
 
@@ -141,7 +141,7 @@ def test_the_drafter_parameters_are_the_built_drafters(tmp_path):
     """The arithmetic's parameter count is the real module's (a narrow shape of Qwen3's kind)."""
     from transformers import Qwen3Config
 
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
 
     tconf = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=6,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)

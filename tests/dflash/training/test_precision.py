@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash.core.config import config_from_dict
-from dflash.data.target import TargetHead, load_target, target_hidden_states
-from dflash.training.trainer import DrafterTrainer, build_drafter, compute_precision
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.data.target import TargetHead, load_target, target_hidden_states
+from dflash_ops.training.trainer import DrafterTrainer, build_drafter, compute_precision
 
 
 def test_bf16_steps_at_the_papers_lr_move_every_trainable_element(tiny_target, tiny_config, tmp_path):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash.run.main import main as train_main
-from dflash.training.checkpoint import latest_checkpoint
+from dflash_ops.run.main import main as train_main
+from dflash_ops.training.checkpoint import latest_checkpoint
 
 
 def write_config(path: Path, raw: dict) -> str:
@@ -81,7 +81,7 @@ def test_a_start_that_crashes_while_loading_keeps_the_old_runs_step_and_checkpoi
         assert shown["last_checkpoint"] == old["last_checkpoint"]
         raise RuntimeError("the target's weights are unreadable")
 
-    monkeypatch.setattr("dflash.run.main.load_target", unreadable)
+    monkeypatch.setattr("dflash_ops.run.main.load_target", unreadable)
     config = write_config(tmp_path / "again.yaml", tiny_config(run, optim={"total_steps": 4}))
     assert train_main(["--config", config]) == 1
     assert "the target's weights are unreadable" in capsys.readouterr().err

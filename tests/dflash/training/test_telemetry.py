@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from dflash.core.config import config_from_dict
-from dflash.core.runtime import EventLog
-from dflash.run.main import run_single_process
-from dflash.training.plots import main as plots_main
-from dflash.training.telemetry import METRICS_FILE, TENSORBOARD_DIR, IntervalMeter, RunTelemetry
-from dflash.training.trainer import StepResult
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.runtime import EventLog
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training.plots import main as plots_main
+from dflash_ops.training.telemetry import METRICS_FILE, TENSORBOARD_DIR, IntervalMeter, RunTelemetry
+from dflash_ops.training.trainer import StepResult
 
 
 def run_records(raw: dict, capsys) -> list[dict]:
@@ -121,7 +121,7 @@ def test_the_interval_s_throughput_is_its_rows_and_tokens_over_its_seconds():
 
 def test_progress_line_shows_step_total_and_an_eta(monkeypatch):
     clock = iter([100.0, 110.0])
-    monkeypatch.setattr("dflash.core.runtime.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("dflash_ops.core.runtime.time.monotonic", lambda: next(clock))
     terminal = _Terminal()
     log = EventLog(total_steps=100, stream=io.StringIO(), progress_stream=terminal)
     log.show_progress(10, 2.0, 500.0)   # the pace starts here: no ETA yet

@@ -15,13 +15,13 @@ import pytest
 import torch
 import yaml
 
-from dflash.core.config import config_from_dict
-from dflash.core.runtime import EventLog, StopSignal
-from dflash.data.target import load_target
-from dflash.run.main import main as train_main
-from dflash.run.main import run_single_process
-from dflash.training import checkpoint
-from dflash.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
+from dflash_ops.core.config import config_from_dict
+from dflash_ops.core.runtime import EventLog, StopSignal
+from dflash_ops.data.target import load_target
+from dflash_ops.run.main import main as train_main
+from dflash_ops.run.main import run_single_process
+from dflash_ops.training import checkpoint
+from dflash_ops.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, load_drafter
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -56,8 +56,8 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tiny_config, tmp_pat
     raw = tiny_config(out, optim={"total_steps": total}, run={"step_delay": 0.5, "save_every": 1000})
     config_path = tmp_path / "interrupted.yaml"
     config_path.write_text(yaml.safe_dump(raw))
-    proc = subprocess.Popen([sys.executable, "-m", "dflash.train", "--config", str(config_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops.train", "--config", str(config_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     seen = []
     try:
@@ -187,12 +187,12 @@ def test_an_unexpected_failure_exits_1_with_its_traceback_and_restores_the_stop_
     def broken_target(*args, **kwargs):
         raise RuntimeError("the target's weights are unreadable")
 
-    monkeypatch.setattr("dflash.run.main.load_target", broken_target)
+    monkeypatch.setattr("dflash_ops.run.main.load_target", broken_target)
     before = signal.getsignal(signal.SIGTERM)
     code = run_single_process(config_from_dict(tiny_config(tmp_path / "run")))
     captured = capsys.readouterr()
     assert code == 1
-    assert "Traceback" in captured.err and "dflash.train:" not in captured.err
+    assert "Traceback" in captured.err and "dflash_ops.train:" not in captured.err
     assert events(captured.out)[-1] == {**events(captured.out)[-1], "event": "error",
                                         "message": "RuntimeError: the target's weights are unreadable"}
     assert status(tmp_path / "run")["state"] == "failed"

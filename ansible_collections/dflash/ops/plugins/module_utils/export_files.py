@@ -9,7 +9,7 @@ import os
 
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import is_plain_file_name
 
-# The export's list of its files' sha256 (`sha256sum -c SHA256SUMS`), written last by dflash.export.
+# The export's list of its files' sha256 (`sha256sum -c SHA256SUMS`), written last by dflash_ops.export.
 MANIFEST = "SHA256SUMS"
 
 

@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """The one rule for every path a module writes, reads or runs for a run (the pidfile and its lock, the
 log, the secrets file, the release tree, run.sh and the interpreter it execs); the trainer keeps the same
-rule for what it writes (dflash/core/safe_paths.py: change both together).
+rule for what it writes (dflash_ops/core/safe_paths.py: change both together).
 
 - Every path is reached from / one name at a time (`walk`): each directory is opened with O_NOFOLLOW
   and O_DIRECTORY relative to the one before it (openat) and checked on its descriptor, so no name on

@@ -10,7 +10,7 @@ DOCUMENTATION = r"""
 module: dflash_export
 short_description: Export a training run's checkpoint as a drafter and fetch it to the controller, checksummed
 description:
-  - In the container, the trainer's own C(python -m dflash.export --into) (from O(code_dir), run by
+  - In the container, the trainer's own C(python -m dflash_ops.export --into) (from O(code_dir), run by
     O(python)) exports the latest complete checkpoint of the run in O(output_dir), or the one of
     O(step), into C(<into>/step-<N>/) (C(config.json), C(model.safetensors), C(modeling_dflash.py),
     C(drafter.py), C(README.md) and C(SHA256SUMS), the sha256 of the others, written last). The trainer
@@ -38,7 +38,7 @@ attributes:
     support: full
     details:
       Names the checkpoint it would export and what it would fetch; writes nothing in the container or on
-      the controller (C(dflash.export --plan)).
+      the controller (C(dflash_ops.export --plan)).
 options:
   output_dir:
     description: The run's output directory in the container (C(run.output_dir); its C(checkpoints/)).
@@ -61,7 +61,7 @@ options:
     type: path
     required: true
   code_dir:
-    description: The directory that holds the trainer's C(dflash) package in the container (a release).
+    description: The directory that holds the trainer's C(dflash_ops) package in the container (a release).
     type: path
     required: true
   dest:
@@ -171,7 +171,7 @@ VERBS = {(False, True): "Wrote", (False, False): "Kept",
 
 def export_command(params, plan):
     """The trainer's export command for the module's parameters (`--plan`: only say what it would do)."""
-    argv = [params["python"], "-m", "dflash.export", "--checkpoint", params["output_dir"],
+    argv = [params["python"], "-m", "dflash_ops.export", "--checkpoint", params["output_dir"],
             "--into", params["into"], "--dtype", params["dtype"]]
     if params["step"] is not None:
         argv += ["--step", str(params["step"])]

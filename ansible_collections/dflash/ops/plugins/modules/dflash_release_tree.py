@@ -105,13 +105,13 @@ EXAMPLES = r"""
   dflash.ops.dflash_release_tree:
     root: /opt/dflash
     build:
-      code_dir: /srv/dflash-ops/dflash
+      code_dir: /srv/dflash-ops/dflash_ops
       dest_dir: /srv/dflash-ops/.cache/releases
       revision: v1.2.0
       templates:
         config.yaml: config.yaml.j2
         run.sh: run.sh.j2
-    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, --json, "%s/config.yaml"]
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash_ops.config, validate, --json, "%s/config.yaml"]
     validate_environment:
       PYTHONPATH: "%s"
     fix_variables:
@@ -129,7 +129,7 @@ EXAMPLES = r"""
   dflash.ops.dflash_release_tree:
     state: previous
     root: /opt/dflash
-    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash.config, validate, "%s/config.yaml"]
+    validate_argv: [/opt/dflash/venv/bin/python, -m, dflash_ops.config, validate, "%s/config.yaml"]
     validate_environment:
       PYTHONPATH: "%s"
 """

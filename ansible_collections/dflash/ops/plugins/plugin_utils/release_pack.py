@@ -68,12 +68,12 @@ def pack(code_dir, dest_dir, revision, rendered, exclude=()):
     """{"id", "archive", "archive_b64", "code_sha256", "files": {path in the release: sha256}} of the
     release of `code_dir` (a Python package) with the `rendered` files ({name: text}); the archive cache
     in `dest_dir` is pruned afterwards."""
-    # The source's default is a checkout's dflash/ next to playbooks/: a playbook run from an installed
+    # The source's default is a checkout's dflash_ops/ next to playbooks/: a playbook run from an installed
     # collection has none there, and is told where the trainer's source is.
     if not os.path.isfile(os.path.join(code_dir, "__init__.py")):
         raise ValueError(f"{code_dir} is not a Python package (no __init__.py): set "
-                         "dflash_release_source_dir to the dflash/ directory of a dflash-ops checkout "
-                         "(-e dflash_release_source_dir=/path/to/dflash-ops/dflash)")
+                         "dflash_release_source_dir to the dflash_ops/ directory of a dflash-ops checkout "
+                         "(-e dflash_release_source_dir=/path/to/dflash-ops/dflash_ops)")
     blobs = {}
     for name, path in code_files(code_dir, exclude):
         with open(path, "rb") as fh:

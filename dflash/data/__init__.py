@@ -1,3 +1,0 @@
-"""What the drafter learns from: the examples and their batches, the frozen target and its features,
-regeneration with the target, feature capture and the feature cache, the demo's tiny assets.
-Imports `dflash.core` and `dflash.model`."""

@@ -1,0 +1,137 @@
+"""Packed target features from the target ranks to the drafter ranks, over torch.distributed.
+
+A batch is three point-to-point messages from its target to its drafter (`BatchSchedule`): a
+header (kind, batch index, tokens, documents, feature width, dtype), the int64 metadata
+(input_ids, loss_mask, position_ids, cu_seqlens) and the `[T, k*H]` features. A target that ends
+early (it was stopped) sends an end marker instead to each drafter that still expects a batch of it.
+
+Flow control. Each drafter receives on a thread (`BatchFeed`) into a queue of `queue_depth`
+batches; the target's send completes only when a receive is posted, so at most about queue_depth
+batches are in flight per drafter and the slower side sets the pace.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from dflash_ops.run.ranks import BatchSchedule
+
+HEADER_SIZE = 6  # kind, batch index, tokens, documents, feature width, dtype code
+KIND_BATCH, KIND_END = 0, 1
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+FEED_DONE = "done"  # queue item: the schedule is over, or a target ended early
+POLL_S = 0.1  # how often a waiting drafter looks at its stop signal and its receiving thread
+
+
+def send_batch(dst: int, index: int, features: torch.Tensor, cu_seqlens: torch.Tensor,
+               position_ids: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+               group=None) -> None:
+    """Three messages: a header, the int64 metadata, the `[T, k*H]` features (over `group`: the
+    default one, or the start's for the held-out features)."""
+    n_tokens, width = features.shape
+    device = features.device
+    header = torch.tensor([KIND_BATCH, index, n_tokens, cu_seqlens.numel() - 1, width,
+                           DTYPE_CODES[features.dtype]], dtype=torch.int64, device=device)
+    ints = torch.cat([input_ids, loss_mask, position_ids, cu_seqlens.to(torch.int64)]).to(device, torch.int64)
+    dist.send(header, dst, group=group)
+    dist.send(ints, dst, group=group)
+    dist.send(features.contiguous(), dst, group=group)
+
+
+def end_marker(device: torch.device) -> torch.Tensor:
+    return torch.tensor([KIND_END, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)
+
+
+def send_end_markers(schedule: BatchSchedule, rank: int, index: int, end: int, device: torch.device) -> None:
+    """Tell each drafter that still expects a batch from the target of global rank `rank` (from
+    `index` on) that none will come; all at once, since each drafter receives in its own order."""
+    waiting = sorted({schedule.drafter_role_rank(i) for i in schedule.target_batches(rank, index, end)})
+    works = [dist.isend(end_marker(device), schedule.drafter_ranks[dst]) for dst in waiting]
+    for work in works:
+        work.wait()
+
+
+def recv_batch(src: int, device: torch.device, group=None) -> tuple[int, dict] | None:
+    """The next batch from `src` (its index, and the keyword arguments of
+    `DrafterTrainer.train_step`), or None when `src` sent its end marker."""
+    header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    kind, index, n_tokens, n_docs, width, dtype_code = header.tolist()
+    if kind == KIND_END:
+        return None
+    ints = torch.empty(3 * n_tokens + n_docs + 1, dtype=torch.int64, device=device)
+    dist.recv(ints, src, group=group)
+    features = torch.empty(n_tokens, width, dtype=CODE_DTYPES[dtype_code], device=device)
+    dist.recv(features, src, group=group)
+    input_ids, loss_mask, position_ids, cu_seqlens = ints.split([n_tokens, n_tokens, n_tokens, n_docs + 1])
+    return index, {"features": features, "cu_seqlens": cu_seqlens.to(torch.int32).cpu(),
+                   "position_ids": position_ids, "input_ids": input_ids, "loss_mask": loss_mask}
+
+
+class BatchFeed:
+    """A drafter's incoming batches of [first_batch, end_batch): a receiving thread filling a
+    bounded queue, in schedule order."""
+
+    def __init__(self, schedule: BatchSchedule, role_rank: int, first_batch: int, end_batch: int,
+                 depth: int, device: torch.device):
+        self.schedule, self.device = schedule, device
+        self.batches = schedule.drafter_batches(role_rank, first_batch, end_batch)
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.draining = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._receive, name="batch-feed", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> None:
+        while not self.draining.is_set():
+            try:
+                self.queue.put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                pass
+
+    def _receive(self) -> None:
+        ended: set[int] = set()
+        try:
+            for index in self.batches:
+                src = self.schedule.target_rank(index)
+                if src in ended:
+                    continue
+                received = recv_batch(src, self.device)
+                if received is None:
+                    if not ended:
+                        self._put(FEED_DONE)  # the schedule is broken: train no further
+                    ended.add(src)
+                    if len(ended) == self.schedule.num_targets:
+                        return
+                elif not ended:
+                    got, batch = received
+                    if got != index:
+                        raise RuntimeError(f"expected batch {index} from rank {src}, got {got}")
+                    self._put(batch)
+            if not ended:
+                self._put(FEED_DONE)
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+            self._put(FEED_DONE)
+
+    def next(self, stop) -> dict | str | None:
+        """The next batch, FEED_DONE, or None when `stop` (a StopSignal) was requested while waiting."""
+        while True:
+            try:
+                return self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.error is not None:
+                    raise RuntimeError(f"receiving batches failed: {self.error}") from self.error
+                if stop.requested:
+                    return None
+
+    def drain(self, timeout: float) -> None:
+        """Receive (and drop) what the targets still send, so that none of them blocks for ever."""
+        self.draining.set()
+        self.thread.join(timeout)

@@ -1,0 +1,262 @@
+"""The drafter side of a run, in either layout: resume, the step loop, held-out evaluation, checkpoints.
+
+`DrafterRun` trains one drafter rank around the target's head (embedding, lm_head, config). What
+differs between the layouts comes in as parts, not as subclasses:
+
+- `drafters`, the run's drafter ranks as this one sees them: `SoleDrafter` (one drafter: rank 0,
+  nothing to exchange) or a pipeline's `DrafterGroup` (dflash_ops.run.pipeline: the drafters' process group,
+  through which DDP averages gradients, random states are gathered for a checkpoint and the step's
+  figures are averaged);
+- the batch source of `run(source, stop)`: `source.next_batch(stop)` gives each step's packed target
+  features (the keyword arguments of `DrafterTrainer.train_step`), or None when the run must stop,
+  `source.stop_reason` then saying why. The single process computes them with its own target
+  (dflash_ops.train); a pipeline's drafter receives them from the target ranks, and the drafters agree
+  before each step whether to take it (dflash_ops.run.pipeline). `stop` is the process's StopSignal.
+
+Checkpoints hold every drafter rank's random state (in rank order: its anchor RNG and the process
+RNGs), and each rank resumes from its own, so that a resumed run draws what the uninterrupted one
+would have, whatever the number of drafters. The run reports through its log alone (`start`,
+`step`, `heldout`, `checkpoint`, `resume`); status.json follows the log (dflash_ops.run.status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_ops.core.config import TrainConfig, dump_config, with_examples
+from dflash_ops.core.runtime import EventLog
+from dflash_ops.data.data_manifest import check_thinking_mode
+from dflash_ops.data.examples import BatchOrder, load_examples, training_examples
+from dflash_ops.data.target import TargetHead
+from dflash_ops.training.checkpoint import (
+    check_loss_weighting,
+    check_step_plan,
+    fit_to_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_saves,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dflash_ops.training.heldout import HeldOutEvaluator
+from dflash_ops.training.resume_check import config_changes, describe
+from dflash_ops.training.telemetry import IntervalMeter, RunTelemetry
+from dflash_ops.training.trainer import (
+    DrafterTrainer,
+    StepResult,
+    build_drafter,
+    compute_precision,
+    resolve_layer_ids,
+)
+
+
+def data_store(examples) -> str | None:
+    """The token store the run reads its rows from (dflash_ops.core.token_store), None for parsed JSON
+    lines."""
+    store = getattr(examples, "store", None)
+    return None if store is None else str(store.path)
+
+
+def heldout_examples(cfg: TrainConfig, vocab_size: int) -> list:
+    """The held-out examples a run evaluates: the first `data.eval_examples` of `data.eval_path`."""
+    return load_examples(cfg.data.eval_path, cfg.data.max_length, vocab_size)[: cfg.data.eval_examples]
+
+
+def latest_to_resume(output_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a run resumes from: its latest complete one (partial saves removed first)."""
+    remove_partial_saves(output_dir)
+    return latest_checkpoint(output_dir) if resume else None
+
+
+class SoleDrafter:
+    """The drafter ranks of a run with one drafter: this one, rank 0, which writes the run's files."""
+
+    rank = 0
+    process_group = None  # no DDP
+    writes_files = True  # the checkpoints, metrics.jsonl and the TensorBoard files
+
+    def gather(self, obj) -> list:
+        return [obj]
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def mean(self, result: StepResult) -> StepResult:
+        return result
+
+    def checkpoint_to_resume(self, output_dir: Path, resume: bool) -> Path | None:
+        return latest_to_resume(output_dir, resume)
+
+
+class DrafterRun:
+    def __init__(self, cfg: TrainConfig, log: EventLog, head: TargetHead, drafters=None):
+        self.examples = training_examples(cfg.data, head.config.vocab_size)
+        # The run's steps follow from the examples it loaded (optim.epochs); `self.cfg.total_steps` is them.
+        self.cfg = cfg = with_examples(cfg, len(self.examples))
+        self.log = log
+        log.total_steps = cfg.total_steps
+        self.drafters = drafters or SoleDrafter()
+        self.output_dir = Path(cfg.run.output_dir)
+        self.device = head.embed_tokens.weight.device
+        self.layer_ids = resolve_layer_ids(cfg, head.config.num_hidden_layers)
+        self.order = BatchOrder(len(self.examples), cfg.data.batch_size, cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)  # the drafter's initial weights: the same on every rank
+        random.seed(cfg.run.seed)
+        self.trainer = DrafterTrainer(build_drafter(cfg, head), cfg, self.drafters.rank,
+                                      self.drafters.process_group)
+        self.last_saved_step: int | None = None
+        self.meter = IntervalMeter()
+        self.telemetry = RunTelemetry(self.output_dir, enabled=self.drafters.writes_files,
+                                      warn=lambda message: self.log.emit("warning", message=message))
+        self.vocab_size = head.config.vocab_size
+        self.heldout = None
+        # Whether a data manifest confirmed data.enable_thinking (the checkpoints' meta says so).
+        self.thinking_confirmed = check_thinking_mode(cfg)
+
+    def build_heldout(self, target=None, documents=None) -> None:
+        """Held-out evaluation of the config's `data.eval_path`: the target's features of those
+        examples are computed once, here by `target` (the run's own, or one loaded for this), or
+        elsewhere (a pipeline's target rank 0) and given as `documents` (`heldout_documents`)."""
+        cfg = self.cfg
+        settings = (cfg.data.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
+                    lambda device: compute_precision(cfg, device))
+        if documents is not None:
+            self.heldout = HeldOutEvaluator(documents, *settings)
+            return
+        self.heldout = HeldOutEvaluator.of(target, heldout_examples(cfg, self.vocab_size), self.layer_ids,
+                                           *settings)
+
+    def random_state(self) -> dict:
+        """This rank's random state: its anchor RNG and the process RNGs."""
+        return {"anchor": self.trainer.anchor_generator.get_state(), **rng_state()}
+
+    def resume(self) -> None:
+        checkpoint = self.drafters.checkpoint_to_resume(self.output_dir, self.cfg.run.resume)
+        if checkpoint is None:
+            return
+        model_state, state, meta = load_checkpoint(checkpoint)
+        fit_to_checkpoint(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
+        check_loss_weighting(self.cfg.loss_weighting, meta)
+        check_step_plan(self.cfg, meta)
+        self.trainer.drafter.load_trainable_state_dict(model_state)
+        self.trainer.load_state_dict(state["trainer"])
+        self.order.load_state_dict(state["data"])
+        ranks = state["rng"]
+        if isinstance(ranks, dict):  # written before the random state was kept per rank
+            ranks = [{**ranks, "anchor": state["trainer"]["anchor_rng"]}]
+        rank = self.drafters.rank
+        own = ranks[rank] if rank < len(ranks) else None
+        if own is not None:  # a rank the checkpoint's layout did not have keeps its fresh seed
+            self.trainer.anchor_generator.set_state(own["anchor"])
+            set_rng_state(own)
+        self.last_saved_step = self.trainer.step
+        changes = config_changes(self.cfg, checkpoint)  # [the checkpoint's value, this run's] by key
+        self.log.emit("resume", step=self.trainer.step, checkpoint=str(checkpoint), saved_ranks=len(ranks),
+                      changed={key: list(values) for key, values in changes.items()})
+        if changes:
+            self.log.emit("warning", message=f"resumed with keys changed since {checkpoint.name} was saved: "
+                          f"{describe(changes)}")
+
+    def save(self) -> None:
+        """Every drafter rank takes part (its random state goes into the checkpoint); those that write
+        the run's files write it (DDP keeps every drafter's weights and optimizer the same)."""
+        step = self.trainer.step
+        states = self.drafters.gather(self.random_state())
+        if self.drafters.writes_files:
+            drafter = self.trainer.drafter
+            meta = {"layer_ids": self.layer_ids, "drafter_config": dataclasses.asdict(drafter.cfg),
+                    "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
+                    "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan,
+                    "enable_thinking": self.cfg.data.enable_thinking,
+                    "enable_thinking_confirmed": self.thinking_confirmed}
+            state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
+            try:
+                path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
+                                       dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+            except OSError as exc:  # a full disk: the run goes on, and says so
+                last = latest_checkpoint(self.output_dir)
+                self.log.emit("checkpoint_failed", step=step, message=(
+                    f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
+                    f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
+                    f"{last.name if last else 'none'}; the next save tries again"))
+                saved = False
+            else:
+                self.log.emit("checkpoint", step=step, path=str(path))
+                saved = True
+        else:
+            saved = True
+        # Every drafter agrees whether the step is saved, so that all of them (or none) save again at the end.
+        if not self.drafters.any(not saved):
+            self.last_saved_step = step
+
+    def evaluate_heldout(self) -> None:
+        """Held-out loss and tau of the drafter now: logged and recorded."""
+        started = time.perf_counter()
+        fields = self.heldout(self.trainer.drafter).as_fields()
+        seconds = round(time.perf_counter() - started, 3)
+        self.log.emit("heldout", step=self.trainer.step, seconds=seconds, **fields)
+        self.telemetry.record("heldout", self.trainer.step, {**fields, "seconds": seconds})
+
+    def end_reason(self, steps_this_run: int) -> str | None:
+        """Why the run ends before its next step, or None while it has steps to take."""
+        if self.trainer.step >= self.cfg.total_steps:
+            return "completed"
+        budget = self.cfg.run.max_steps_per_run
+        return "max_steps_per_run" if budget is not None and steps_this_run >= budget else None
+
+    def run(self, source, stop) -> str:
+        """Train until done, stopped, or the per-run step budget is spent; return why it ended. Each
+        step's time runs from asking `source` for its batch to the end of the optimizer step."""
+        run_cfg, total = self.cfg.run, self.cfg.total_steps
+        # One line says where the step count comes from: epochs (null: optim.total_steps), examples,
+        # batch_size, drafters, total_steps.
+        plan = {**self.cfg.step_plan, "examples": len(self.examples)}
+        counts = self.cfg.data_counts  # data.path's rows, those that train and those max_length cuts
+        attention = self.trainer.attention
+        self.log.emit("start", step=self.trainer.step, pid=os.getpid(), device=str(self.device),
+                      target_layer_ids=self.layer_ids, **plan, **(counts.as_fields() if counts else {}),
+                      attention=f"{attention.backend}{' compiled' if attention.compiled else ''}",
+                      attention_reason=attention.reason, data_store=data_store(self.examples),
+                      **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
+        if counts is not None and counts.warning(self.cfg.data):
+            self.log.emit("warning", message=counts.warning(self.cfg.data))
+        steps_this_run, first_step = 0, {}
+        while (reason := self.end_reason(steps_this_run)) is None:
+            started = time.perf_counter()
+            batch = source.next_batch(stop)
+            waited = time.perf_counter() - started  # for its batch: the target's features, the drafters' vote
+            if batch is None:
+                reason = source.stop_reason
+                break
+            result = self.drafters.mean(self.trainer.train_step(**batch))
+            steps_this_run += 1
+            seconds = time.perf_counter() - started
+            if steps_this_run == 1:  # compilation included: said on the run's first step line
+                first_step = {"first_step_seconds": round(seconds, 3)}
+            samples = self.cfg.data.batch_size * self.cfg.drafters  # the global batch's rows
+            self.meter.add(result, seconds, samples, waited)
+            if result.step % run_cfg.log_every == 0 or result.step == total:
+                # Means over the steps since the last line, not the last step's figures.
+                figures = self.meter.flush()
+                self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures,
+                              **first_step)
+                first_step = {}
+                self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
+            self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9),
+                                   samples / max(seconds, 1e-9))
+            if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
+                self.evaluate_heldout()
+            if result.step % run_cfg.save_every == 0:
+                self.save()
+            stop.sleep(run_cfg.step_delay)
+        if self.last_saved_step != self.trainer.step:
+            self.save()
+        self.telemetry.close()
+        return reason
