@@ -21,7 +21,7 @@ RELIABILITY_WORKERS ?= 3
 RELIABILITY_LONG := tests/reliability/test_decoys.py tests/reliability/test_killed_deploys.py \
   tests/reliability/test_concurrent_restarts.py
 
-.PHONY: help setup peer-suites compat-venv serve-check regenerate-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup peer-suites compat-venv serve-check regenerate-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint ee-context ee bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -100,8 +100,18 @@ lint: setup ## ruff, yamllint, ansible-lint (production profile), ansible-test s
 	$(VENV)/bin/ruff check dflash_ops pvesim ansible_collections tests benchmarks scripts
 	$(VENV)/bin/yamllint -s .
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/ansible-lint --offline --profile production \
-	  playbooks ansible_collections/dflash/ops/roles ansible_collections/dflash/ops/playbooks
+	  playbooks ansible_collections/dflash/ops/roles ansible_collections/dflash/ops/playbooks \
+	  ansible_collections/dflash/ops/galaxy.yml ansible_collections/dflash/ops/meta
 	$(PY) scripts/ansible_test_sanity.py
+
+# The execution environment (execution-environment.yml, scripts/ee.py): the collection built from galaxy.yml's
+# version, the context written by ansible-builder; `make ee` builds the image with podman (its base image and
+# Galaxy's community.proxmox come from the network).
+ee-context: setup ## Write the execution environment's build context to ee/context.
+	$(PY) scripts/ee.py
+
+ee: setup ## Build the execution environment's image with podman (dflash-ops-ee:<version>, :latest).
+	$(PY) scripts/ee.py --build
 
 bench: setup ## Run every benchmark; figures go to BENCHMARKS.md by hand.
 	$(PY) -m benchmarks

@@ -35,6 +35,10 @@ PVE_TOOLS_MARKER = "pve tools for pvesim"
 # Where each node's tools (its nvidia-smi) live: a node user must be able to run them, and a sim's state
 # dir may sit under a directory only root can enter (pytest's /tmp/pytest-of-root).
 NODE_TOOLS = RUN_DIR / "nodes"
+# The pct of each installing package, copied where any user can read it (a checkout may sit in root's 0700
+# home): /usr/sbin/pct runs it outside a node session, or for a user who cannot read provision.json, and
+# it answers help and `please run as root` as the real pct does.
+PACKAGE_PCT = RUN_DIR / "packages"
 SUDOERS_DIR = Path("/etc/sudoers.d")
 # The production sudo rule a non-root node user needs (pct, and nothing else).
 PRODUCTION_SUDO_RULE = PACKAGE_BIN.parents[1] / "inventory/production.example/sudoers.d/ansible_pct"
@@ -112,7 +116,14 @@ def install_pct():
     node's own package's pct, and as /usr/sbin/pvesm, /usr/bin/pveam and /usr/bin/pvesh, which run each
     node's own tools; a real Proxmox VE tool at one of the last three (without pvesim's marker) is left
     alone."""
-    source = (PACKAGE_BIN / "pve-dispatch").read_text().replace("@PCT@", str(PACKAGE_BIN / "pct")).encode()
+    copy = PACKAGE_PCT / hashlib.sha1(str(PACKAGE_BIN).encode()).hexdigest()[:10]
+    copy.mkdir(parents=True, exist_ok=True)
+    for d in (copy, copy.parent):
+        d.chmod(0o755)
+    for source in PACKAGE_BIN.iterdir():  # pct with what it imports from its own directory
+        if source.is_file() and not source.name.startswith("."):
+            _install(copy / source.name, source.read_bytes())
+    source = (PACKAGE_BIN / "pve-dispatch").read_text().replace("@PCT@", str(copy / "pct")).encode()
     _install(PCT_PATH, source)
     for path in PVE_TOOL_PATHS:
         if not path.exists() or PVE_TOOLS_MARKER in path.read_text(errors="replace"):
@@ -129,6 +140,7 @@ def remove_shared_files_if_unused():
         if path.is_file() and marker in path.read_text(errors="replace"):
             path.unlink()
     shutil.rmtree(REGISTRY, ignore_errors=True)
+    shutil.rmtree(PACKAGE_PCT, ignore_errors=True)
 
 
 def _block_markers(state_dir):

@@ -5,6 +5,7 @@ a known_hosts file, and nodes/<name>/ (sshd config and host key, LXC containers,
 Several sims run side by side with different state dirs.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,7 +20,10 @@ from . import container, host, node, prerequisites, procs
 from .host import SimError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_STATE_DIR = Path("/var/lib/pvesim/default")
+# One default state dir per checkout (its name and a hash of its path): `make sim-down` in one clone never
+# ends another clone's simulation.
+DEFAULT_STATE_DIR = Path("/var/lib/pvesim") / (
+    f"{REPO_ROOT.name}-{hashlib.sha1(str(REPO_ROOT).encode()).hexdigest()[:8]}")
 DEFAULT_INVENTORY = REPO_ROOT / "inventory" / "sim" / "hosts.yml"
 STATE_FILE = "sim.json"
 INVENTORY_HEADER = "# Written by `python -m pvesim up --state-dir {state_dir}`; `pvesim down` removes it.\n"

@@ -91,8 +91,9 @@ def test_a_different_command_is_refused_and_what_runs_is_named(run):
 
 
 def test_stop_lets_the_run_checkpoint_and_removes_the_pidfile(run, tmp_path):
-    marker = tmp_path / "checkpointed"
-    pid = run.start("--term-marker", str(marker))["pid"]
+    marker, ready = tmp_path / "checkpointed", tmp_path / "ready"
+    pid = run.start("--term-marker", str(marker), "--ready", str(ready))["pid"]
+    assert wait_for(ready.exists)  # its SIGTERM handler is set: a stop before it would only kill it
     result, rc = run.call(state="stopped", stop_timeout=20)
     assert rc == 0, result
     assert result["changed"] is True and result["how"] == "terminated"
@@ -106,8 +107,9 @@ def test_stop_lets_the_run_checkpoint_and_removes_the_pidfile(run, tmp_path):
 def test_stop_waits_for_a_helper_the_run_leaves_behind_without_signalling_it(run, tmp_path):
     """A run may hand the end of its checkpoint to a child and exit; the stop is complete only when
     that child is done, and the child started after SIGTERM is not sent one."""
-    helper_done = tmp_path / "helper"
-    pid = run.start("--term-helper", str(helper_done))["pid"]
+    helper_done, ready = tmp_path / "helper", tmp_path / "ready"
+    pid = run.start("--term-helper", str(helper_done), "--ready", str(ready))["pid"]
+    assert wait_for(ready.exists)  # its SIGTERM handler is set (under load a stop could come first)
     result, rc = run.call(state="stopped", stop_timeout=20)
     assert rc == 0, result
     assert result["how"] == "terminated" and result["seconds"] >= 1

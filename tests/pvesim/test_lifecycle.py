@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,7 @@ def test_down_all_brings_down_every_registered_sim(tmp_path, monkeypatch):
     # their /usr/sbin/pct.
     monkeypatch.setattr(host, "REGISTRY", tmp_path / "registry")
     monkeypatch.setattr(host, "PCT_PATH", tmp_path / "pct")
+    monkeypatch.setattr(host, "PACKAGE_PCT", tmp_path / "packages")
     monkeypatch.setattr(sim_module, "DEFAULT_STATE_DIR", tmp_path / "default")
     sims = [pvesim.up(nodes=1, containers=(360 + i,), gpus=1, state_dir=tmp_path / f"s{i}",
                       inventory=tmp_path / f"hosts{i}.yml") for i in range(2)]
@@ -123,6 +125,20 @@ def test_down_all_brings_down_every_registered_sim(tmp_path, monkeypatch):
     assert [p for p, st in pids if procs.is_alive(p, st)] == []
     assert host.registered_state_dirs() == []
     assert not (tmp_path / "pct").exists()  # the last sim down removes the shared pct
+
+
+def test_each_checkout_has_a_default_state_dir_of_its_own(tmp_path):
+    """`make sim-up` / `make sim-down` in two clones on one machine: two simulations, neither ends the
+    other's (pvesim's default state dir is named after the checkout and a hash of its path)."""
+    defaults = []
+    for clone in ("one/dflash-ops", "two/dflash-ops"):
+        shutil.copytree(Path(pvesim.__file__).parent, tmp_path / clone / "pvesim",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        probe = subprocess.run([sys.executable, "-c", "import pvesim; print(pvesim.DEFAULT_STATE_DIR)"],
+                               cwd=tmp_path / clone, capture_output=True, text=True, timeout=60, check=True)
+        defaults.append(Path(probe.stdout.strip()))
+    assert defaults[0] != defaults[1], defaults
+    assert all(d.parent == Path("/var/lib/pvesim") and d.name.startswith("dflash-ops-") for d in defaults)
 
 
 def test_cli_help_errors_and_status(sim):

@@ -10,6 +10,7 @@ Python's path (Ansible scans it for ansible_collections/): `--offline` resolves 
 root's requirements.yml. The trainer's source is not in the collection: a deploy is told where it is
 (-e dflash_release_source_dir=<a dflash-ops checkout>/dflash_ops), and refuses clearly when it is not."""
 
+import importlib.util
 import json
 import re
 import shutil
@@ -89,22 +90,27 @@ def test_module_defaults_reach_the_pct_modules_through_their_action_group(instal
     assert "/nonexistent/bin/pct is missing on node" in res.stdout, res.stdout + res.stderr
 
 
+def ee_script():
+    spec = importlib.util.spec_from_file_location("ee", REPO / "scripts" / "ee.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_execution_environment_builds_its_context_and_installs_the_collection_with_its_packages(
         installed, tmp_path):
-    """execution-environment.yml as ansible-builder reads it: `ansible-builder create` writes the build
-    context (schema checked) with the artifact in it; the context's own galaxy stage (its requirements.yml,
-    in its /build) installs the collection, and the builder stage's introspect.py finds the collection's
-    Python packages, the pins of pyproject.toml's [controller] extra. The image build itself needs podman
-    and the network (the base image, Galaxy for community.proxmox); here the galaxy stage runs --offline."""
-    (tmp_path / "ee").mkdir()
-    shutil.copy(REPO / "execution-environment.yml", tmp_path)
-    shutil.copy(installed.artifact, tmp_path / "ee")
-    context = tmp_path / "context"
-    res = subprocess.run([str(VENV_BIN / "ansible-builder"), "create", "-f", "execution-environment.yml",
-                          "-c", str(context)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
+    """`make ee-context` (scripts/ee.py) as ansible-builder reads it: the artifact built from galaxy.yml's
+    version under the one name execution-environment.yml knows, the build context written (schema
+    checked) with it; the context's own galaxy stage (its requirements.yml, in its /build) installs the
+    collection, and the builder stage's introspect.py finds the collection's Python packages (the ranges
+    of pyproject.toml's [controller] extra) and its system packages (the OpenSSH client the nodes'
+    ansible.builtin.ssh runs), which the Containerfile installs. Here the galaxy stage runs --offline."""
+    context = ee_script().context(tmp_path / "ee")
     build = context / "_build"
-    assert (build / "collections" / installed.artifact.name).read_bytes() == installed.artifact.read_bytes()
+    shipped = build / "collections" / "dflash-ops.tar.gz"
+    with tarfile.open(shipped) as tar:
+        manifest = json.load(tar.extractfile("MANIFEST.json"))
+    assert manifest["collection_info"]["version"] == VERSION
     collections = tmp_path / "usr-share-ansible"
     (tmp_path / "ansible.cfg").write_text(f"[defaults]\ncollections_path = {collections}\n")
     env = {**installed.env, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg")}
@@ -112,13 +118,35 @@ def test_the_execution_environment_builds_its_context_and_installs_the_collectio
                             "requirements.yml", "--collections-path", str(collections)], cwd=build,
                            env=env, capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0, stage.stdout + stage.stderr
+    assert (collections / "ansible_collections" / "dflash" / "ops" / "MANIFEST.json").is_file()
     found = subprocess.run([sys.executable, str(build / "scripts" / "introspect.py"), "introspect",
                             str(collections)], capture_output=True, text=True, timeout=60, check=True)
-    python = {line.split("#")[0].strip() for line in yaml.safe_load(found.stdout)["python"]
+    introspected = yaml.safe_load(found.stdout)
+    python = {line.split("#")[0].strip() for line in introspected["python"]
               if line.endswith("# from collection dflash.ops")}
     controller = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
         "controller"]
     assert python == {r for r in controller if not r.startswith("ansible-core")}, found.stdout
+    assert not any("==" in r for r in python), python  # ranges: a merged environment can resolve them
+    system = {line.split("#")[0].strip() for line in introspected["system"]
+              if line.endswith("# from collection dflash.ops")}
+    assert "openssh-clients [platform:rpm]" in system, found.stdout
+    containerfile = (context / "Containerfile").read_text()
+    assert "introspect" in containerfile and "install-from-bindep" in containerfile, containerfile
+
+
+def test_the_execution_environment_image_builds_with_podman(tmp_path):
+    """`make ee`: the image itself, where podman is (its base image and Galaxy come from the network)."""
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed: no image is built here (the context is checked above)")
+    assert ee_script().main(["--build", "--out", str(tmp_path / "ee")]) == 0
+
+
+def test_ansible_navigator_runs_the_image_make_ee_tags():
+    navigator = yaml.safe_load((REPO / "ansible-navigator.yml").read_text())["ansible-navigator"]
+    ee = navigator["execution-environment"]
+    assert ee["enabled"] is True and ee["image"] == f"{ee_script().IMAGE}:latest", ee
+    assert ee["pull"]["policy"] == "never", ee  # a local image: a pull would fail or take another one
 
 
 @pytest.mark.sim
