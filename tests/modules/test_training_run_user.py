@@ -42,11 +42,24 @@ def proc_status(pid):
     return {key: value.split() for key, value in fields.items() if key in ("Uid", "Gid", "Groups")}
 
 
+@pytest.fixture
+def fake_run_for_others():
+    """fake_run.py where another user can read it: the checkout may sit in root's 0700 home."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    base.chmod(0o755)
+    script = base / "fake_run.py"
+    shutil.copyfile(FAKE_RUN, script)
+    script.chmod(0o644)
+    yield str(script)
+    shutil.rmtree(base)
+
+
 @needs_root
-def test_the_run_runs_as_its_user_and_the_stop_still_ends_it(tmp_path, processes):
+def test_the_run_runs_as_its_user_and_the_stop_still_ends_it(tmp_path, processes, fake_run_for_others):
     pidfile, log = tmp_path / "main.pid", tmp_path / "main.log"
     args = {"name": "main", "pidfile": str(pidfile), "log_path": str(log), "user": "nobody",
-            "command": [SYSTEM_PYTHON, FAKE_RUN, "--step-after", "0.2"], "wait_for": '"event": *"step"'}
+            "command": [SYSTEM_PYTHON, fake_run_for_others, "--step-after", "0.2"],
+            "wait_for": '"event": *"step"'}
     started, rc = run_module("training_run", args)
     assert rc == 0, started
     pid = started["pid"]
