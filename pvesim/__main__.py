@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import container, host, node
+from . import container, driver, host, node
 from .sim import COMPUTE_APPS, DEFAULT_INVENTORY, DEFAULT_STATE_DIR, SimError, down, down_all, load, up
 
 
@@ -41,6 +41,12 @@ def parser():
     p_up.add_argument("--network", choices=("isolated", "loopback"), default="isolated",
                       help="isolated: each container reaches only itself (default); loopback: containers "
                            "reach each other at their own 127.x.y.z addresses (net0)")
+    p_up.add_argument("--nvswitch", action="store_true",
+                      help="HGX boards: the GPUs behind NVSwitches, CUDA failing (error 802) until NVIDIA "
+                           "Fabric Manager of the driver's version runs (installed, enabled and running)")
+    p_up.add_argument("--gpu-generation", choices=tuple(container.GPU_GENERATIONS), default="hopper",
+                      help="hopper: NVIDIA H200, nvidia-smi -q shows each GPU's Fabric State (default); "
+                           "ampere: NVIDIA A100-SXM4-80GB, no Fabric section (lspci shows the NVSwitches)")
     p_down = sub.add_parser("down", help="stop and remove everything a sim started (also after a crash)")
     which = p_down.add_mutually_exclusive_group()
     which.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
@@ -55,6 +61,20 @@ def parser():
     p_reboot.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                           help=f"the sim (default {DEFAULT_STATE_DIR})")
     p_reboot.add_argument("node", help="node name, e.g. pve1")
+    p_kernel = sub.add_parser("kernel-update", help="a new proxmox-kernel on a node, as apt full-upgrade "
+                              "brings it (DKMS builds the driver for it only when registered)")
+    p_kernel.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                          help=f"the sim (default {DEFAULT_STATE_DIR})")
+    p_kernel.add_argument("--version", help="the kernel, e.g. 6.8.12-5-pve (default: the newest's next ABI)")
+    p_kernel.add_argument("node", help="node name, e.g. pve1")
+    p_driver = sub.add_parser("driver-update", help="NVIDIA's installer of another driver version put on "
+                              "a node's storage and run there (sh ...run --dkms --silent)")
+    p_driver.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                          help=f"the sim (default {DEFAULT_STATE_DIR})")
+    p_driver.add_argument("--version", required=True, help="the driver's version, e.g. 550.144.03")
+    p_driver.add_argument("--no-dkms", action="store_true",
+                          help="install it without registering it with DKMS")
+    p_driver.add_argument("node", help="node name, e.g. pve1")
     p_status = sub.add_parser("status", help="print the nodes and containers of the sims that are up")
     p_status.add_argument("--state-dir", type=Path, help="only this sim (default: every sim that is up)")
     return p
@@ -86,7 +106,8 @@ def main(argv=None):
         if args.command == "up":
             sim = up(nodes=args.nodes, containers=args.containers, gpus=args.gpus, state_dir=args.state_dir,
                      inventory=args.inventory, compute_apps=args.compute_apps, node_user=args.node_user,
-                     network=args.network, sudo_rule=args.sudo_rule)
+                     network=args.network, sudo_rule=args.sudo_rule, nvswitch=args.nvswitch,
+                     gpu_generation=args.gpu_generation)
             return print_status([sim.state_dir])
         if args.command == "down":
             down_all() if args.all else down(args.state_dir)
@@ -98,6 +119,16 @@ def main(argv=None):
         if args.command == "reboot":
             print(load(args.state_dir).reboot_node(args.node), end="")
             return print_status([args.state_dir])
+        if args.command == "kernel-update":
+            kernel = driver.kernel_update(load(args.state_dir), args.node, args.version)
+            print(f"{args.node}: proxmox-kernel {kernel} installed, the default at the next boot "
+                  "(python -m pvesim reboot)")
+            return 0
+        if args.command == "driver-update":
+            options = ("--no-dkms", "--silent") if args.no_dkms else ()
+            res = driver.driver_update(load(args.state_dir), args.node, args.version, *options)
+            print(res.stdout + res.stderr, end="")
+            return res.returncode
         if args.state_dir:
             return print_status([args.state_dir])
         return print_status([d for d in host.registered_state_dirs() if (d / "sim.json").exists()])

@@ -21,10 +21,22 @@ import sys
 import uuid
 from pathlib import Path
 
+from . import driver
 from .host import PACKAGE_BIN, SimError
 
-GPU_NAME = "NVIDIA H200"
-GPU_MEMORY_MIB = 143771
+# The GPU generations a node may have (`pvesim up --gpu-generation`): nvidia-smi's name and memory, the
+# PCI device ids of the GPU and of the board's NVSwitch (pci.ids: 2335 GH100 [H200 SXM 141GB], 22a3 GH100
+# [H100 NVSwitch], 20b2 GA100 [A100 SXM4 80GB], 1af1 GA100 [A100 NVSwitch]) and how many NVSwitches an
+# 8-GPU HGX board has (4 on HGX H100/H200, 6 on HGX A100). Hopper's `nvidia-smi -q` has a Fabric section,
+# Ampere's none (NVML's GPU fabric info is Hopper's and later's).
+GPU_GENERATIONS = {
+    "hopper": {"name": "NVIDIA H200", "memory_mib": 143771, "pci_device": "2335", "nvswitch_device": "22a3",
+               "nvswitches": 4, "fabric_info": True},
+    "ampere": {"name": "NVIDIA A100-SXM4-80GB", "memory_mib": 81920, "pci_device": "20b2",
+               "nvswitch_device": "1af1", "nvswitches": 6, "fabric_info": False},
+}
+GPU_NAME = GPU_GENERATIONS["hopper"]["name"]
+GPU_MEMORY_MIB = GPU_GENERATIONS["hopper"]["memory_mib"]
 # The node's NVIDIA driver (what nvidia-smi reports as driver_version, and the version of the installer
 # `pvesim up` leaves on the node's storage).
 DRIVER_VERSION = "550.127.05"
@@ -44,24 +56,26 @@ def cgroup_base(tag, vmid):
     return f"/pvesim-{tag}/lxc/{vmid}"
 
 
-def node_gpus(tag, node_name, count):
-    """The node's simulated GPUs; UUIDs are stable for a given sim and node."""
-    gpus = []
+def node_gpus(tag, node_name, count, generation="hopper"):
+    """The node's simulated GPUs (of a GPU_GENERATIONS generation); UUIDs are stable for a given sim and
+    node."""
+    gpus, model = [], GPU_GENERATIONS[generation]
     for index in range(count):
         digest = hashlib.md5(f"{tag}/{node_name}/{index}".encode()).digest()
-        gpus.append({"index": index, "uuid": f"GPU-{uuid.UUID(bytes=digest)}", "name": GPU_NAME,
-                     "memory_total": GPU_MEMORY_MIB, "driver_version": DRIVER_VERSION})
+        gpus.append({"index": index, "uuid": f"GPU-{uuid.UUID(bytes=digest)}", "name": model["name"],
+                     "memory_total": model["memory_mib"], "driver_version": DRIVER_VERSION})
     return gpus
 
 
-def node_gpu_state(state_dir, node_name, gpus, compute_apps, nvswitch=False):
+def node_gpu_state(state_dir, node_name, gpus, compute_apps, nvswitch=False, generation="hopper"):
     """The node's GPU state as `pvesim up` writes it (no container running yet); pct start and stop
     record each container's passed-through GPUs and PID namespace in `containers`. `nvswitch`: an HGX
-    board, whose GPUs need the fabric manager (pvesim/bin/nv-fabricmanager). The device nodes are not
+    board, whose GPUs need the fabric manager (pvesim/bin/nv-fabricmanager); `generation`: the GPUs' (a
+    key of GPU_GENERATIONS: what nvidia-smi -q and lspci show). The device nodes are not
     here: they are the node's /dev layer of its boot (pvesim.node.new_boot)."""
     return json.dumps({"state_dir": str(state_dir), "node": node_name, "compute_apps": compute_apps,
                        "host_pidns": os.readlink("/proc/self/ns/pid"), "gpus": gpus, "nvswitch": nvswitch,
-                       "containers": {}})
+                       "generation": generation, "containers": {}})
 
 
 def container_gpu_config(vmid):
@@ -181,15 +195,19 @@ def _whiteout(delta, path):
 
 def nvidia_installer(version=DRIVER_VERSION):
     """The stand-in for NVIDIA's `NVIDIA-Linux-x86_64-<version>.run` on the node's storage: run in a
-    container with --no-kernel-module it installs the user-space tools (here the simulated nvidia-smi,
-    which reads the node's driver state); without that flag it fails as the real one does in a container,
-    which cannot build or load a kernel module."""
-    tool = (PACKAGE_BIN / "nvidia-smi").read_text()
+    container with --no-kernel-module it installs the user-space tools of that version (here the simulated
+    nvidia-smi, whose version NVML compares with the node's kernel module); without that flag it fails as
+    the real one does in a container, which cannot build or load a kernel module. Run on a node (its tools
+    first on the PATH), it installs the driver there: pvesim/bin/nvidia-driver-tools' nvidia-installer."""
+    tool = driver.user_space_tool(version)
     return f"""#!/bin/sh
 # NVIDIA Accelerated Graphics Driver for Linux-x86_64 {version} (pvesim: user-space tools only)
 case " $* " in
   *" --no-kernel-module "*) ;;
-  *) echo "ERROR: Unable to load the kernel module 'nvidia.ko'. (pvesim: run with --no-kernel-module in a \
+  *) if command -v nvidia-installer >/dev/null 2>&1 && command -v pvesim-cuda-init >/dev/null 2>&1; then
+       exec nvidia-installer --version-of-run {version} "$@"
+     fi
+     echo "ERROR: Unable to load the kernel module 'nvidia.ko'. (pvesim: run with --no-kernel-module in a \
 container)" >&2; exit 1 ;;
 esac
 cat > /usr/bin/nvidia-smi <<'PVESIM_NVIDIA_SMI'

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import procs
+from . import driver, procs
 from .container import DRIVER_VERSION, nvidia_installer
 from .host import PACKAGE_BIN, SimError, node_tools_dir
 
@@ -160,13 +160,16 @@ Subsystem sftp internal-sftp
 LogLevel INFO
 {user_keys}""")
     for tool, source in (("nvidia-smi", "nvidia-smi"), ("pvesm", "pvesm"), ("pvesh", "pvesm"),
+                         ("vzdump", "vzdump"), ("pct_config.py", "pct_config.py"),
                          ("pveversion", "pve-node-tools"), ("pveam", "pve-node-tools"),
                          ("lsmod", "pve-node-tools"), ("nvidia-modprobe", "nvidia-modprobe"),
-                         ("systemctl", "systemctl"), ("pvesim-cuda-init", "nvidia-modprobe")):
+                         ("systemctl", "systemctl"), ("pvesim-cuda-init", "nvidia-modprobe"),
+                         ("lspci", "lspci")):
         shutil.copyfile(PACKAGE_BIN / source, files.bin / tool)
         (files.bin / tool).chmod(0o755)
     files.storage_config.write_text(json.dumps(DEFAULT_STORAGES))
     files.template_index.write_text(json.dumps(TEMPLATE_INDEX))
+    driver.install_node_tools(files, DRIVER_VERSION)
     installer = files.snippets / f"NVIDIA-Linux-x86_64-{DRIVER_VERSION}.run"
     installer.write_text(nvidia_installer())
     installer.chmod(0o755)
@@ -198,8 +201,10 @@ def new_boot(files, gpu_count, prepared=False):
     for name in os.listdir("/dev"):
         if name.startswith("nvidia"):
             os.mknod(boot / "upper" / name, stat.S_IFCHR, os.makedev(0, 0))
-    modules = ["nvidia"] if gpu_count else []
-    if prepared and gpu_count:
+    # The boot loader's default kernel; nvidia.ko loads if that kernel has one (pvesim.driver).
+    loads = driver.boot(files)
+    modules = ["nvidia"] if gpu_count and loads else []
+    if prepared and modules:
         made = {**DEVICE_NODES, **{f"/dev/nvidia{i}": (195, i) for i in range(gpu_count)}}
         for path, (major, minor) in made.items():
             (boot / "upper" / path[5:]).unlink(missing_ok=True)

@@ -50,9 +50,9 @@ def _on_node(sim, node_name, command):
 def set_nvidia_uvm(sim, node_name, loaded):
     """The node with nvidia-uvm loaded or not since its boot: without it lsmod lists no nvidia_uvm and the
     node has no /dev/nvidia-uvm, /dev/nvidia-uvm-tools, so a container passing them through fails to start
-    (`Device ... does not exist`); with it, as `nvidia-modprobe -u` leaves the node."""
+    (`Device ... does not exist`); with it, as `nvidia-modprobe -u -c0` leaves the node."""
     if loaded:
-        _on_node(sim, node_name, "nvidia-modprobe -u")
+        _on_node(sim, node_name, "nvidia-modprobe -u -c0")
         return
     _on_node(sim, node_name, "rm -f /dev/nvidia-uvm /dev/nvidia-uvm-tools")
     modules = node.NodeFiles(sim.state_dir, node_name).dev_current / "modules"

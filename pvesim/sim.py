@@ -68,6 +68,9 @@ class Sim:
     network: str = "isolated"
     # HGX boards: each node's GPUs behind NVSwitches, CUDA waiting for the fabric manager.
     nvswitch: bool = False
+    # The GPUs' generation (container.GPU_GENERATIONS): "hopper" (H200; nvidia-smi -q has a Fabric
+    # section) or "ampere" (A100; none).
+    gpu_generation: str = "hopper"
 
     def address_of(self, vmid):
         """The container's own address on the `loopback` network (its net0 ip); None when isolated."""
@@ -144,6 +147,8 @@ class Sim:
             if step == "before":
                 self.stop_node(name)
                 node.new_boot(_node_files(self, name), self.gpus)
+                # Fabric Manager sets the NVSwitch fabric up again at each boot (nv-fabricmanager writes it).
+                (_node_files(self, name).gpu_dir / "fabric").unlink(missing_ok=True)
                 self.start_node(name)
             pvesh = step in ("stopall", "startall")
             command = f"pvesh --nooutput create /nodes/localhost/{step}" if pvesh else \
@@ -241,7 +246,7 @@ def _from_record(data):
                passthrough={int(k): v for k, v in data.get("passthrough", {}).items()},
                compute_apps=data.get("compute_apps", {}), node_user=data.get("node_user"),
                network=data.get("network", "isolated"), sudo_rule=data.get("sudo_rule"),
-               nvswitch=data.get("nvswitch", False))
+               nvswitch=data.get("nvswitch", False), gpu_generation=data.get("gpu_generation", "hopper"))
 
 
 def split_containers(containers, nodes):
@@ -318,7 +323,7 @@ def _healthy(sim):
 
 def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventory=DEFAULT_INVENTORY,
        gpu_passthrough=None, compute_apps="host", node_user=None, network="isolated", sudo_rule=None,
-       nvswitch=False):
+       nvswitch=False, gpu_generation="hopper"):
     """Bring up a sim (idempotent: a running sim with the same layout is left as it is).
 
     Each node has `gpus` physical GPUs. By default its containers get equal, disjoint shares of them;
@@ -333,8 +338,13 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     The nodes come up as their admin left them since boot: every NVIDIA device node made (as
     `nvidia-modprobe -c0 -u` and nvidia-smi make them); a reboot (`Sim.reboot_node`) makes none. `nvswitch`:
     HGX boards, whose CUDA fails (error 802) until the fabric manager of the driver's version runs; the
-    nodes come up with it installed, enabled and running (pvesim.prerequisites.set_fabric_manager)."""
+    nodes come up with it installed, enabled and running (pvesim.prerequisites.set_fabric_manager).
+    `gpu_generation`: "hopper" (NVIDIA H200: `nvidia-smi -q` shows each GPU's Fabric State) or "ampere"
+    (NVIDIA A100-SXM4-80GB: no Fabric section; an NVSwitch board's switches are seen by lspci only)."""
     containers = list(containers)
+    if gpu_generation not in container.GPU_GENERATIONS:
+        raise SimError(f"gpu_generation must be one of {', '.join(container.GPU_GENERATIONS)}, "
+                       f"got {gpu_generation!r}")
     if network not in container.LXC_NETWORK:
         raise SimError(f"network must be one of {', '.join(container.LXC_NETWORK)}, got {network!r}")
     state_dir = Path(state_dir).resolve()
@@ -357,7 +367,8 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
                     and current.gpus == gpus and current.inventory_path == inventory
                     and current.passthrough == layout and current.compute_apps == modes
                     and current.node_user == node_user and current.network == network
-                    and current.sudo_rule == sudo_rule and current.nvswitch == bool(nvswitch))
+                    and current.sudo_rule == sudo_rule and current.nvswitch == bool(nvswitch)
+                    and current.gpu_generation == gpu_generation)
             if same and _healthy(current):
                 # Nothing to start but what was stopped; shared files and the inventory are refreshed
                 # in case something removed them.
@@ -374,19 +385,19 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
             _down_locked(state_dir)  # a half-dead sim: start over
         try:
             return _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user,
-                              network, sudo_rule, bool(nvswitch))
+                              network, sudo_rule, bool(nvswitch), gpu_generation)
         except BaseException:
             _down_locked(state_dir)
             raise
 
 
 def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network,
-               sudo_rule=None, nvswitch=False):
+               sudo_rule=None, nvswitch=False, gpu_generation="hopper"):
     tag = host.sim_tag(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
               compute_apps=modes, node_user=node_user, network=network, sudo_rule=sudo_rule,
-              nvswitch=nvswitch,
+              nvswitch=nvswitch, gpu_generation=gpu_generation,
               nodes=[SimNode(name=f"pve{i + 1}", address=node.node_address(i), port=0, containers=block)
                      for i, block in enumerate(split_containers(containers, nodes))])
     # Saved (and registered) before anything starts, so that `down` finds whatever a crash leaves.
@@ -397,10 +408,11 @@ def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, nod
     authorized_keys.write_text(" ".join(client_key) + " pvesim\n")
     for n in sim.nodes:
         files = _node_files(sim, n.name)
-        gpus_of_node = container.node_gpus(tag, n.name, gpus)
+        gpus_of_node = container.node_gpus(tag, n.name, gpus, gpu_generation)
         n.port = node.free_port(n.address)
         node.write_node(files, n.address, n.port, authorized_keys,
-                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name], nvswitch),
+                        container.node_gpu_state(state_dir, n.name, gpus_of_node, modes[n.name], nvswitch,
+                                                 gpu_generation),
                         node_user)
         node.new_boot(files, gpus, prepared=True)
         n.sshd_pid, n.sshd_started = node.start_sshd(files, n.address, n.port)
@@ -424,7 +436,7 @@ def _install_node_user(sim):
     host.authorize_node_user(sim.state_dir, sim.node_user, sim.authorized_keys.read_text().strip())
     host.install_sudo_rules(sim.state_dir, sim.node_user,
                             [_node_files(sim, n.name).bin / tool for n in sim.nodes
-                             for tool in ("nvidia-smi", "lsmod")], sim.sudo_rule)
+                             for tool in ("nvidia-smi", "lsmod", "lspci")], sim.sudo_rule)
 
 
 def _ensure_running(sim):

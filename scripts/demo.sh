@@ -66,8 +66,8 @@ read -r old_pid old_cmd < <(pidfile)
 echo "the run: pid $old_pid, $old_cmd"
 
 step "A code change (in the demo's copy of the trainer)"
-printf '\n# Demo change: deployed by restart_training.yml at %s\n' "$(date -u +%FT%TZ)" >> "$SRC/dflash/train.py"
-tail -n 2 "$SRC/dflash/train.py"
+printf '\n# Demo change: deployed by restart_training.yml at %s\n' "$(date -u +%FT%TZ)" >> "$SRC/dflash_ops/train.py"
+tail -n 2 "$SRC/dflash_ops/train.py"
 
 step "restart_training.yml --check --diff: what it would do (a new release, a stop, a start); nothing changes"
 play playbooks/restart_training.yml --check --diff | grep -E '^(changed|ok: \[ct200\] => \{|    "msg")' | tail -n 6

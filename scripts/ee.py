@@ -44,7 +44,8 @@ def context(out: Path) -> Path:
         shutil.copyfile(DEFINITION, out.parent / DEFINITION.name)
     ctx = out / "context"
     subprocess.run([str(BIN / "ansible-builder"), "create", "-f", DEFINITION.name, "-c", str(ctx),
-                    "--output-filename", "Containerfile"], check=True, cwd=out.parent, stdin=subprocess.DEVNULL)
+                    "--output-filename", "Containerfile"],
+                   check=True, cwd=out.parent, stdin=subprocess.DEVNULL)
     return ctx
 
 

@@ -1,13 +1,18 @@
 """The container config of pvesim's pct, as pve-container's src/PVE/LXC/Config.pm knows it: the file's
-format (parse_pct_config, write_pct_config), the options `pct create` and `pct set` take and how the API's
-schema checks them, and the devices a config passes through (with what a start makes of them, LXC.pm and
-LXC/Tools.pm). Beside pvesim/bin/pct, which imports it from its own directory; standard library only, like
-pct, which runs under the machine's python3 outside any virtual environment.
+format (parse_pct_config, write_pct_config), its `lock:` and the config's file lock (pve-guest-common's
+AbstractConfig.pm), the options `pct create` and `pct set` take and how the API's schema checks them, the
+devices a config passes through (with what a start makes of them, LXC.pm and LXC/Tools.pm), and whether
+the HA manager manages a container (pve-ha-manager's HA/Config.pm). Beside pvesim/bin/pct, which imports it
+from its own directory, and copied beside a node's pvesm and vzdump; standard library only, like pct,
+which runs under the machine's python3 outside any virtual environment.
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+import time
 
 # A failure is a Perl `die` out of the CLI handler: the message on stderr, and the exit status is errno
 # when a system call failed just before (2, ENOENT, after a stat of a missing file), else 255.
@@ -50,6 +55,108 @@ def parse_config(text):
     return options, lxc
 
 
+def check_lock(options):
+    """AbstractConfig.pm's check_lock: `die $class->guest_type() . " is locked ($conf->{lock})\n"`, the
+    guest type of a container being `CT` (LXC/Config.pm guest_type)."""
+    if options.get("lock"):
+        raise PctError(f"CT is locked ({options['lock']})")
+
+
+# AbstractConfig.pm's lock_config: a flock on the config's lock file, 10 s to get it.
+CONFIG_LOCK_TIMEOUT_S = 10
+
+
+@contextlib.contextmanager
+def config_lock(node_root, vmid, timeout_s=CONFIG_LOCK_TIMEOUT_S):
+    """Hold the config's file lock (pve-container's /run/lock/lxc/pve-config-<vmid>.lock: here the node's
+    lock/ folder) while a command reads and writes the config, as lock_config does; a holder that keeps
+    it past `timeout_s` fails the command in PVE::Tools::lock_file's words."""
+    folder = os.path.join(node_root, "lock")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"pve-config-{vmid}.lock")
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{vmid}.lock' - got timeout"
+                                   ) from None
+                time.sleep(0.1)
+        yield
+
+
+def read_config(node_root, vmid):
+    """(options, lxc entries) of the container's config file; FileNotFoundError when there is none."""
+    with open(os.path.join(node_root, "pve", "lxc", f"{vmid}.conf")) as f:
+        return parse_config(f.read())
+
+
+def write_config(node_root, vmid, options, lxc):
+    """Replace the config file whole (write_pct_config's text), as pmxcfs does: never half-written."""
+    path = os.path.join(node_root, "pve", "lxc", f"{vmid}.conf")
+    with open(path + ".tmp", "w") as f:
+        f.write(format_config(options, lxc))
+    os.replace(path + ".tmp", path)
+
+
+# The cluster's HA resources (pve-ha-manager's /etc/pve/ha/resources.cfg; /etc/pve is the sim's state dir
+# here, as /etc/pve/nodes/<node> is its nodes/<node>/pve) and the CRM's command queue (crm_commands).
+HA_RESOURCES = ("pve", "ha", "resources.cfg")
+HA_CRM_COMMANDS = ("pve", "ha", "crm_commands")
+
+
+def ha_resources(state_dir):
+    """{sid: {key: value}} of resources.cfg, a section config: `ct: 200` then indented `key value` lines
+    (HA/Resources.pm parse_section_header)."""
+    path = os.path.join(state_dir, *HA_RESOURCES)
+    resources, current = {}, None
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        header = re.match(r"^(\S+):\s*(\S+)\s*$", line)
+        if header:
+            current = resources.setdefault(f"{header.group(1).lower()}:{header.group(2)}", {})
+        elif current is not None and line.strip() and line[:1].isspace():
+            key, _, value = line.strip().partition(" ")
+            current[key] = value.strip()
+        elif not line.strip():
+            current = None
+    return resources
+
+
+def ha_managed(state_dir, vmid):
+    """HA/Config.pm vm_is_ha_managed: `vm:<vmid>` or `ct:<vmid>` is a resource whose state is not
+    `ignored` (an ignored resource behaves as if HA did not manage it)."""
+    resources = ha_resources(state_dir)
+    return any(sid in resources and resources[sid].get("state") != "ignored"
+               for sid in (f"vm:{vmid}", f"ct:{vmid}"))
+
+
+def ha_configured(state_dir, vmid):
+    """HA/Config.pm service_is_configured("ct:<vmid>"): any resources.cfg entry, ignored or not."""
+    return f"ct:{vmid}" in ha_resources(state_dir)
+
+
+def ha_request(state_dir, sid, state=None, crm_command=None):
+    """What pct's HA path runs: `ha-manager set <sid> --state <state>` (the resource's state, resources.cfg
+    written back as SectionConfig writes it) or `ha-manager crm-command stop <sid> <timeout>` (a line
+    queued in crm_commands, HA/Config.pm queue_crm_commands). pvesim runs no CRM or LRM: a request stays
+    queued, nothing acts on it."""
+    if state is not None:
+        resources = ha_resources(state_dir)
+        resources[sid]["state"] = state
+        path = os.path.join(state_dir, *HA_RESOURCES)
+        with open(path + ".tmp", "w") as f:
+            for name, props in resources.items():
+                f.write(f"{name.replace(':', ': ', 1)}\n" + "".join(f"\t{k} {v}\n" for k, v in props.items())
+                        + "\n")
+        os.replace(path + ".tmp", path)
+    if crm_command is not None:
+        with open(os.path.join(state_dir, *HA_CRM_COMMANDS), "a") as f:
+            f.write(crm_command + "\n")
+
+
 def format_config(options, lxc):
     """Config.pm's write_pct_config: the description as # lines, options sorted, then lxc entries."""
     text = "".join(f"#{line}\n" for line in options.get("description", "").splitlines())
@@ -85,8 +192,9 @@ def passthrough(options, lxc):
 
 def check_devices(node, options):
     """The node's device nodes, after checking that each devN path is one of them: LXC/Tools.pm
-    get_device_mode_and_rdev (`die "Device $path does not exist\n" if $! == ENOENT`), which pct create
-    and every start run. The node's device nodes are those made since its boot (pct's node_devices)."""
+    get_device_mode_and_rdev (`die "Device $path does not exist\n" if $! == ENOENT`), which pct create,
+    pct set (Config.pm update_pct_config, pve-container 5.0.10 on) and every start run. The node's device
+    nodes are those made since its boot (pct's node_devices)."""
     devices = node.node_devices()
     for key in sorted(k for k in options if re.fullmatch(r"dev[0-9]+", k)):
         path = device_path(options[key])

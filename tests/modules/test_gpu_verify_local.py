@@ -32,6 +32,7 @@ class FakeNvidiaSmi:
     def answer(self, *steps):
         self.steps.write_text(json.dumps(list(steps)))
         Path(f"{self.steps}.calls").unlink(missing_ok=True)
+        Path(f"{self.steps}.q-calls").unlink(missing_ok=True)
 
     def calls(self):
         return int(Path(f"{self.steps}.calls").read_text())
@@ -98,7 +99,7 @@ def test_count_and_missing_gpu(smi):
     "step, expected",
     [
         ({"gpus": DRIVER_NOT_LOADED, "rc": 9}, "cannot reach the NVIDIA driver"),
-        ({"gpus": VERSION_MISMATCH, "rc": 18}, "differ in version"),
+        ({"gpus": VERSION_MISMATCH, "rc": 18}, "ansible-playbook playbooks/provision.yml"),
         ({"gpus": NVML_UNKNOWN, "rc": 255}, "NVML failed to initialise"),
         ({"stderr": "Segmentation fault", "rc": 139}, "exit 139 (unknown exit code): Segmentation"),
         ({"gpus": "0, GPU-x, H100, oops, 1, 0\n"}, "gave 'oops' for memory.used"),

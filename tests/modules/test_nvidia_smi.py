@@ -121,7 +121,8 @@ def test_unexpected_output_is_an_error_naming_the_line(query, output, message):
     "rc, output, expected",
     [
         (9, DRIVER_NOT_LOADED, "cannot reach the NVIDIA driver"),
-        (18, VERSION_MISMATCH, "differ in version"),
+        (18, VERSION_MISMATCH, "reinstall the containers' user space of the node's version with "
+                               "ansible-playbook playbooks/provision.yml"),
         (255, NVML_UNKNOWN, "access to the /dev/nvidia* devices was lost"),
         (4, "Failed to initialize NVML: Insufficient Permissions\n", "lacks permission"),
         (12, "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system.", "libnvidia-ml.so"),

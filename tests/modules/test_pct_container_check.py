@@ -132,7 +132,7 @@ def test_a_stopped_container_is_started_when_allowed_then_checked(node):
     assert rc == 0 and result["changed"] is True and result["started"] is True, result
     assert result["status"] == "stopped" and result["gpu_count"] == 8
     assert node.status(201) == "running"
-    assert [call[0] for call in node.calls()] == ["status", "start", "config", "exec"]
+    assert [call[0] for call in node.calls()] == ["status", "config", "start", "exec"]
     # Running now: the next check changes nothing.
     result, rc = node.check(vmid=201, start_stopped=True, required_gpus=[0, 1])
     assert rc == 0 and result["changed"] is False and result["started"] is False
@@ -179,7 +179,7 @@ def test_pct_goes_through_the_argv_prefix_and_sudo_s_not_found_means_missing(nod
     assert rc == 0 and result["started"] is True, result
     sudo_calls = [json.loads(line) for line in Path(f"{node.state}.sudo").read_text().splitlines()]
     assert sudo_calls == [["-n", str(node.pct), *call] for call in node.calls()]
-    assert [call[0] for call in node.calls()] == ["status", "start", "config", "exec"]
+    assert [call[0] for call in node.calls()] == ["status", "config", "start", "exec"]
 
     missing = tmp_path / "usr" / "sbin" / "pct"
     result, rc = node.check(vmid=200, pct_argv=[str(node.sudo), "-n", str(missing)])

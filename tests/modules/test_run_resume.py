@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,39 @@ def test_a_run_whose_gpus_are_busy_is_not_started_over_them(box, smi):
     smi.answer({"gpus": H100_BUSY, "apps": H100_APPS}, {"gpus": H100_IDLE})
     result = box.boot(smi)
     assert result["outcome"] == "resumed" and smi.calls() >= 2, result
+
+
+def fabric_report(state, status):
+    """`nvidia-smi -q` of a Hopper GPU on an NVSwitch board, its Fabric section as driver 550 prints it."""
+    return ("\n==============NVSMI LOG==============\n\nAttached GPUs                         : 1\n"
+            "GPU 00000000:18:00.0\n    Product Name                      : NVIDIA H200\n    Fabric\n"
+            f"        State                         : {state}\n"
+            f"        Status                        : {status}\n")
+
+
+def test_on_an_nvswitch_board_the_run_waits_for_the_fabric_and_says_when_it_does_not_come(box, smi):
+    """Fabric Manager sets the fabric up after the node's boot; a run started before fails with CUDA error
+    802 and, failed, is never started again: the boot waits, bounded, for every Fabric State Completed."""
+    box.died({"state": "running"})
+    stale = box.pidfile.read_text()
+    box.spec["fabric_timeout"] = 0
+    (box.dir / "main.boot.json").write_text(json.dumps(box.spec))
+    smi.answer({"gpus": H100_IDLE, "q": fabric_report("In Progress", "N/A")})
+    result = box.boot(smi)
+    assert result["outcome"] == "fabric_not_ready", result
+    assert result["msg"].startswith("not started: the GPUs' NVLink fabric is In Progress/N/A after 0s"), \
+        result
+    assert "deploy.yml starts it once the fabric is Completed" in result["msg"]
+    assert box.pidfile.read_text() == stale
+    # Completed within the wait: it starts, and says it waited.
+    box.spec["fabric_timeout"] = 30
+    (box.dir / "main.boot.json").write_text(json.dumps(box.spec))
+    smi.answer({"gpus": H100_IDLE, "q": fabric_report("In Progress", "N/A")},
+               {"gpus": H100_IDLE, "q": fabric_report("Completed", "Success")})
+    result = box.boot(smi)
+    assert result["outcome"] == "resumed", result
+    waited = r"after \d+s waiting for the GPUs' NVLink fabric to be Completed\)$"
+    assert re.search(waited, result["msg"]), result
 
 
 def test_the_start_writes_what_its_boot_runs_and_a_second_start_writes_nothing(box, tmp_path):

@@ -19,6 +19,8 @@ SLICE = {
     "test_full_disk_in_a_container.py":
         "test_a_release_unpack_on_a_full_disk_fails_clearly_and_nothing_is_switched",
     "test_infra_faults.py": "test_a_changed_host_key_is_refused_until_known_hosts_is_updated",
+    "test_kernel_and_driver_updates.py":
+        "test_a_kernel_update_without_dkms_is_named_before_and_after_its_reboot_and_the_fix_holds",
     "test_killed_deploys.py":
         "test_a_deploy_killed_while_its_release_validates_switches_all_or_nothing[controller-and-module]",
     "test_member_faults.py":

@@ -9,9 +9,13 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+import jinja2
+
 from pvesim.fleet import REPO, VENV_BIN
 
 README = REPO / "README.md"
+DEVICE_UNIT_TEMPLATE = (REPO / "ansible_collections" / "dflash" / "ops" / "roles" / "proxmox_host"
+                        / "templates" / "dflash-nvidia-devices.service.j2")
 SECTIONS = ("Day one on a real Proxmox node", "Everyday operations")
 PLACEHOLDER = "..."
 RECAP = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
@@ -40,12 +44,42 @@ def readme_lines(text=None):
     return commands
 
 
+def readme_inline(program, *words):
+    """The one command of the sections' prose (an inline `...` span, a line break in it a space, as Markdown
+    shows it) that starts with `program` and includes every one of `words`, as a user copies it into a
+    node's shell. Fails when none or several match."""
+    found = []
+    for title in SECTIONS:
+        prose = re.sub(r"```.*?```", "", section(README.read_text(), title), flags=re.S)
+        for span in re.findall(r"`([^`]+)`", prose):
+            command = " ".join(span.split("\n"))
+            if command.startswith(f"{program} ") and all(word in command for word in words):
+                found.append(command)
+    assert len(found) == 1, f"README.md's prose has {len(found)} `{program}` commands with {words}: {found}"
+    return found[0]
+
+
 def readme_command(program, *words, fill=None):
     """The one README command of `program` whose arguments include every one of `words` (e.g. the
     playbook); `fill` replaces the README's `...` placeholder. Fails when none or several match."""
     found = [argv for argv in readme_lines() if argv[0] == program and all(w in argv for w in words)]
     assert len(found) == 1, f"README.md has {len(found)} `{program}` commands with {words}: {found}"
     return [arg.replace(PLACEHOLDER, fill) if fill else arg for arg in found[0]]
+
+
+def readme_unit():
+    """The README's node unit (its `ini` block of the day-one section), as a user copies it."""
+    [block] = re.findall(r"```ini\n(.*?)```", section(README.read_text(), SECTIONS[0]), re.S)
+    return block
+
+
+def device_unit(minors):
+    """The proxmox_host role's boot unit as its template task renders it for a node whose GPUs have these
+    minor numbers (Ansible's template module: trim_blocks, the text's trailing newline kept)."""
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    template = env.from_string(DEVICE_UNIT_TEMPLATE.read_text())
+    return template.render(ansible_managed="Ansible managed",
+                           __proxmox_host_gpu_minors=[str(m) for m in minors])
 
 
 def readme_deploy(*extra):

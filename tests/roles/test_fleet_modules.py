@@ -29,7 +29,7 @@ def test_a_build_of_the_project_an_earlier_version_installed_is_removed_file_by_
     info = os.path.join(purelib, "dflash_ops-0.1.0.dist-info")
     os.makedirs(os.path.join(purelib, "dflash"))
     os.makedirs(info)
-    files = {"dflash_ops/__init__.py": "", "dflash_ops/train.py": "", "../../../bin/pvesim": "#!/bin/sh\n"}
+    files = {"dflash/__init__.py": "", "dflash/train.py": "", "../../../bin/pvesim": "#!/bin/sh\n"}
     for rel, text in files.items():
         with open(os.path.normpath(os.path.join(purelib, rel)), "w") as fh:
             fh.write(text)
@@ -71,7 +71,7 @@ def archive(entries):
 
 def test_unpack_sets_modes_and_refuses_links_and_escapes(tmp_path):
     dest = tmp_path / "staging"
-    entries = [("run.sh", "#!/bin/sh\n", 0o777), ("dflash/a.py", "", 0o666)]
+    entries = [("run.sh", "#!/bin/sh\n", 0o777), ("dflash_ops/a.py", "", 0o666)]
     dflash_release_tree.unpack(archive(entries), str(dest))
     assert oct(os.stat(dest / "run.sh").st_mode & 0o777) == oct(0o755)
     assert oct(os.stat(dest / "dflash_ops" / "a.py").st_mode & 0o777) == oct(0o644)

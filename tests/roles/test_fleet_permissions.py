@@ -50,7 +50,7 @@ def test_releases_and_the_venv_are_writable_by_root_alone(fleet):
 
 def test_a_release_file_others_can_write_is_refused_and_nothing_is_switched(fleet):
     release = fleet.live_release(VMID)
-    tampered = f"{release}/dflash/train.py"
+    tampered = f"{release}/dflash_ops/train.py"
     assert fleet.ct(VMID, f"chmod o+w {tampered}").returncode == 0
     res = fleet.play("deploy.yml", *NO_START)
     assert res.rc != 0

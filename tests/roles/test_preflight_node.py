@@ -13,13 +13,13 @@ import subprocess
 import pytest
 
 import pvesim
-from pvesim import node, prerequisites
+from pvesim import driver, node, prerequisites
 from pvesim.fleet import REPO, SIM_GROUP_VARS, VENV_BIN, ansible_env
 
 pytestmark = pytest.mark.sim
 
-ITEMS = ["pve-version", "nvidia-driver", "nvidia-uvm", "device-files", "fabric-manager", "template",
-         "nvidia-installer", "rootdir-storage", "storage-room"]
+ITEMS = ["pve-version", "nvidia-driver", "dkms", "secure-boot", "nvidia-uvm", "device-files",
+         "fabric-manager", "template", "nvidia-installer", "rootdir-storage", "storage-room"]
 TEMPLATE = "local:vztmpl/" + node.TEMPLATE
 CHECKLIST_TASK = "Show the node's checklist."
 
@@ -78,10 +78,28 @@ def fault_nvidia_uvm(s):
 
 
 def fault_device_nodes(s):
-    # As after a boot that made none; the check's nvidia-smi makes /dev/nvidiactl and /dev/nvidia0 again
-    # (NVML does), not CUDA's /dev/nvidia-uvm.
+    # As after a boot that made none; the check looks before its nvidia-smi makes /dev/nvidiactl and
+    # /dev/nvidia0 again (NVML does), and nothing of it makes CUDA's /dev/nvidia-uvm.
     prerequisites.remove_device_nodes(s, "pve1")
-    return lambda: s.ssh("pve1", "nvidia-modprobe -c0 -u")
+    return lambda: s.ssh("pve1", "nvidia-modprobe -c255 -c0 && nvidia-modprobe -u -c0")
+
+
+# The boot unit as the README had it (nvidia-modprobe -c0 -u: only the uvm files), installed and enabled.
+EARLIER_UNIT = """[Unit]
+Before=pve-guests.service
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=nvidia-modprobe -c0 -u
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def fault_earlier_unit(s):
+    unit = "/etc/systemd/system/dflash-nvidia-devices.service"
+    s.ssh("pve1", f"cat > {unit} <<'EOF'\n{EARLIER_UNIT}EOF\nsystemctl enable dflash-nvidia-devices")
+    return lambda: s.ssh("pve1", f"systemctl disable dflash-nvidia-devices && rm {unit}")
 
 
 def fault_old_version(s):
@@ -100,19 +118,39 @@ def fault_no_installer(s):
     return lambda: installer(s).write_text(text)
 
 
+def fault_no_dkms(s):
+    driver.set_driver(s, "pve1", dkms=False)
+    return lambda: driver.set_driver(s, "pve1", dkms=True)
+
+
+def fault_secure_boot_key(s):
+    driver.set_driver(s, "pve1", secure_boot=True, mok_enrolled=False)
+    return lambda: driver.set_driver(s, "pve1", secure_boot=False)
+
+
 @pytest.mark.parametrize("fault, item, found, fix", [
     (fault_nvidia_uvm, "nvidia-uvm", "lsmod lists no nvidia_uvm",
      "modprobe nvidia-uvm && nvidia-modprobe -u -c=0"),
     (fault_device_nodes, "device-files",
-     "not a character device (test -c): /dev/nvidia-uvm, /dev/nvidia-uvm-tools",
-     "make them now: nvidia-modprobe -c0 -u; and at every boot before the containers start: the unit "
-     "dflash-nvidia-devices.service"),
+     "not a character device before this check ran nvidia-smi (test -c): /dev/nvidia0, /dev/nvidiactl, "
+     "/dev/nvidia-uvm, /dev/nvidia-uvm-tools",
+     "make them now: nvidia-modprobe -c255 -c0 && nvidia-modprobe -u -c0; and at every boot before the "
+     "containers start: the unit dflash-nvidia-devices.service"),
+    (fault_earlier_unit, "device-files",
+     "the boot unit dflash-nvidia-devices.service: its ExecStart= lines make none of /dev/nvidia0, "
+     "/dev/nvidiactl", "ExecStart=nvidia-modprobe -c255 -c0 and ExecStart=nvidia-modprobe -u -c0"),
     (fault_old_version, "pve-version", "Proxmox VE 8.0.4 (needs 8.1+)", "upgrade the node to Proxmox VE 8.1"),
     (fault_no_template, "template", f"{TEMPLATE} is not on storage local (pveam list local)",
      f"pveam download local {node.TEMPLATE}"),
     (fault_no_installer, "nvidia-installer", f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run is missing",
      f"https://download.nvidia.com/XFree86/Linux-x86_64/{node.DRIVER_VERSION}/"),
-], ids=["no-nvidia-uvm", "no-device-nodes", "old-pve", "no-template", "no-installer"])
+    (fault_no_dkms, "dkms", "dkms is not installed, so the NVIDIA driver is built for the kernel it was "
+     "installed under only", "apt install dkms proxmox-default-headers, then reinstall the driver: sh "
+     f"NVIDIA-Linux-x86_64-{node.DRIVER_VERSION}.run --dkms --silent"),
+    (fault_secure_boot_key, "secure-boot", "Secure Boot is on and DKMS's signing key is not enrolled",
+     "mokutil --import /var/lib/dkms/mok.pub"),
+], ids=["no-nvidia-uvm", "no-device-nodes", "earlier-boot-unit", "old-pve", "no-template", "no-installer",
+        "no-dkms", "secure-boot-key-not-enrolled"])
 def test_a_node_lacking_one_item_fails_naming_it_and_its_fix(node_sim, fault, item, found, fix):
     undo = fault(node_sim)
     try:
@@ -215,3 +253,17 @@ def test_an_nvswitch_board_needs_the_fabric_manager_of_the_driver_s_version_runn
         "nvidia-fabricmanager.service and /var/log/fabricmanager.log say why it stopped"), items
     # nvidia-smi lists every GPU anyway: the driver item passes.
     assert items["nvidia-driver"] == ("PASS", f"driver {node.DRIVER_VERSION}, 2 GPU(s)")
+
+
+def test_an_a100_nvswitch_board_without_a_fabric_section_still_needs_its_fabric_manager(sim_factory):
+    """An A100's nvidia-smi -q has no Fabric section: lspci's NVSwitches say the board needs Fabric
+    Manager (CUDA fails with 802 without it)."""
+    s = sim_factory(nodes=1, containers=(374,), gpus=2, nvswitch=True, gpu_generation="ampere")
+    board = "A100-class NVSwitch board (6 NVSwitches in lspci, no fabric state in nvidia-smi -q)"
+    assert checklist(preflight_node(s))["fabric-manager"] == (
+        "PASS", f"nvidia-fabricmanager.service active, version {node.DRIVER_VERSION}, on an {board}")
+    prerequisites.set_fabric_manager(s, "pve1", None)
+    verdict, line = checklist(preflight_node(s))["fabric-manager"]
+    assert verdict == "FAIL" and line.startswith(
+        f"{board} without nv-fabricmanager (CUDA fails with error 802, system not yet initialized). Fix: "
+        f"install NVIDIA Fabric Manager of the driver's version {node.DRIVER_VERSION}"), line

@@ -219,7 +219,7 @@ def test_the_directory_replaces_every_placeholder(tree):
     res = tree.call(release=first, content=content, validate_argv=[sys.executable, "-c", show],
                     validate_environment={"PYTHONPATH": "%s", "WHERE": "at %s"})
     staging = dflash_release_tree.staging_dir(first)
-    assert res["validation"]["stdout"].split() == [f"{staging}/dflash/__init__.py", "at", staging]
+    assert res["validation"]["stdout"].split() == [f"{staging}/dflash_ops/__init__.py", "at", staging]
 
 
 def test_containers_that_render_the_same_files_share_one_release_packed_once(tmp_path):
@@ -257,7 +257,7 @@ def test_a_symlink_in_the_release_tree_is_refused_and_nothing_is_switched(tree, 
     elif where == "staging":
         os.symlink(elsewhere, dflash_release_tree.staging_dir(second))
     else:
-        os.symlink("/etc/passwd", f"{first}/dflash/passwd.py")
+        os.symlink("/etc/passwd", f"{first}/dflash_ops/passwd.py")
         second = first
     res = tree.call(release=second, content=content, **VALIDATE)
     assert res.get("failed"), res

@@ -83,6 +83,10 @@ def test_a_run_its_container_s_boot_started_again_says_so_and_one_it_did_not_say
     said = ("at boot (2026-01-01T00:00:09+00:00): not started: its GPUs are not idle after 120s "
             "(GPU 0 is busy)")
     assert said in lines
+    fabric = ("not started: the GPUs' NVLink fabric is In Progress/N/A after 600s (nvidia-smi -q, Fabric "
+              "State; CUDA fails with error 802 until it is Completed)")
+    waiting["boot"] = {"outcome": "fabric_not_ready", "time": "2026-01-01T00:10:00+00:00", "msg": fabric}
+    assert f"at boot (2026-01-01T00:10:00+00:00): {fabric}" in [line.strip() for line in render(waiting)]
     stopped = {**report("stopped", False, {"state": "stopped"}), "boot": {"outcome": "stopped", "msg": "x"}}
     assert [line for line in render(stopped)[2:] if line.strip()] == []
 

@@ -44,14 +44,24 @@ FIELDS = {
     "used_memory": ("used_memory_mib", NUMBER),
 }
 
+# NVML_ERROR_LIB_RM_VERSION_MISMATCH: the user-space driver (libnvidia-ml) is not the loaded kernel
+# module's version. In a container after the node's driver moved, its user space is the old one, and
+# provision.yml installs the node's version (roles/proxmox_provision/tasks/nvidia.yml); on the node, a
+# driver installed over a module that stayed loaded.
+EXIT_VERSION_MISMATCH = 18
+VERSION_MISMATCH = (
+    "NVML's driver/library version mismatch (exit 18): the NVIDIA user-space driver here is not the "
+    "version of the node's loaded kernel module. In a container, after the node's driver moved: reinstall "
+    "the containers' user space of the node's version with ansible-playbook playbooks/provision.yml (-l "
+    "<container>; it runs NVIDIA's installer of the node's version with --no-kernel-module; "
+    "docs/OPERATIONS.md, \"Kernel and driver updates\"). On the node itself: the new driver's module is "
+    "not loaded yet: reboot the node")
 # nvidia-smi's own words for failures, most specific first; each names the usual cause.
 KNOWN_FAILURES = (
     ("couldn't communicate with the NVIDIA driver",
      "nvidia-smi cannot reach the NVIDIA driver: the kernel module is not loaded (or, in a container, "
      "the /dev/nvidia* devices are not passed through)"),
-    ("Driver/library version mismatch",
-     "the NVIDIA user-space library and the loaded kernel module differ in version "
-     "(driver updated without reboot); reload the nvidia modules or reboot the node"),
+    ("Driver/library version mismatch", VERSION_MISMATCH),
     ("Failed to initialize NVML: Unknown Error",
      "NVML failed to initialise with an unknown error; in a container this usually means access to "
      "the /dev/nvidia* devices was lost (device cgroup rules); restart the container"),
@@ -63,8 +73,8 @@ KNOWN_FAILURES = (
      "a GPU has fallen off the bus or become inaccessible; the node needs attention"),
 )
 
-# nvidia-smi(1), RETURN VALUE; 18 (NVML_ERROR_LIB_RM_VERSION_MISMATCH) is not listed there but is what it
-# returns on "Driver/library version mismatch".
+# nvidia-smi(1), RETURN VALUE, whose codes are NVML's nvmlReturn_t; 18 (NVML_ERROR_LIB_RM_VERSION_MISMATCH in
+# nvml.h) is not listed there but is what it returns on "Driver/library version mismatch".
 EXIT_CODES = {
     2: "a supplied argument or flag is invalid",
     3: "the requested operation is not available on the target device",
@@ -77,7 +87,7 @@ EXIT_CODES = {
     13: "the local NVML does not implement this function",
     14: "the infoROM is corrupted",
     15: "a GPU has fallen off the bus or has otherwise become inaccessible",
-    18: "the NVML library and the driver versions do not match",
+    EXIT_VERSION_MISMATCH: "the NVML library and the driver versions do not match",
     255: "other error or internal driver error",
 }
 
@@ -186,6 +196,8 @@ def lists_no_device(output):
 def explain_failure(rc, output):
     """A message for a failed nvidia-smi run: the known cause, else the meaning of its exit code."""
     text = " ".join(output.split())
+    if rc == EXIT_VERSION_MISMATCH:
+        return f"{VERSION_MISMATCH} (nvidia-smi exit {rc}: {text or 'no output'})"
     for marker, cause in KNOWN_FAILURES:
         if marker.lower() in text.lower():
             return f"{cause} (nvidia-smi exit {rc}: {text})"

@@ -17,6 +17,11 @@ the run's lock as a deploy would:
   or names nothing is left to the operator;
 - status.json says the run did not end by itself: it was starting, running or stopping (killed with its
   container), or it stopped on a signal (its container shut down). A finished or failed run stays so;
+- on an NVSwitch (HGX) board, the GPUs' NVLink fabric is up: every Fabric State of `nvidia-smi -q` is
+  Completed, waited for within the start file's fabric_timeout (Fabric Manager sets it up after the node's
+  boot, and until it has, CUDA fails with error 802, a failed run that no boot starts again). A board
+  whose `nvidia-smi -q` shows no fabric state (no NVSwitch, or GPUs older than Hopper, which have no
+  Fabric section: the node's preflight checks their Fabric Manager) has nothing to wait for;
 - its GPUs are idle, as gpu_verify judges them, within the start file's gpu_timeout: a container that
   comes back at the same time as another on the same GPUs does not start a run over the other's.
 
@@ -29,10 +34,16 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 from datetime import datetime, timezone
 
 from ansible_collections.dflash.ops.plugins.module_utils.gpu_state import poll
-from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import NvidiaSmiError, find_executable
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_node import parse_fabric
+from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
+    NvidiaSmiError,
+    find_executable,
+    run,
+)
 from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     RunError,
     describe,
@@ -54,6 +65,9 @@ START_FILE = ".boot.json"
 RESULT_FILE = ".boot-result.json"
 STARTED_BY = "boot"
 GPU_POLL_SECONDS = 2
+FABRIC_POLL_SECONDS = 2
+FABRIC_TIMEOUT = 600  # Fabric Manager's setup of an HGX board's fabric after a boot takes a minute or two
+NO_FABRIC = ("N/A", "Not Supported")
 
 
 def read_json(path, private=False, owner=None):
@@ -93,6 +107,35 @@ def idle_problems(spec, executable=None):
     return seen["reasons"]
 
 
+def fabric_states(executable):
+    """The GPUs' fabric states that are not Completed ([] when all are, or the board has none). A report
+    nvidia-smi cannot give (NVML fails) has no fabric to wait for: the GPU check that follows says why."""
+    answer = run(executable, ["-q"])
+    if answer.rc != 0:
+        return []
+    return sorted({f"{state}/{status}" for state, status in parse_fabric(answer.stdout)
+                   if state not in NO_FABRIC and state != "Completed"})
+
+
+def fabric_problem(spec, executable=None):
+    """(None, seconds waited) once the GPUs' NVLink fabric is up or there is none; else (what it still is
+    when spec's fabric_timeout ran out, seconds waited)."""
+    if not spec.get("gpus"):
+        return None, 0
+    executable = executable or find_executable()
+    if executable is None:
+        return None, 0  # idle_problems says that nvidia-smi is missing
+    started = time.monotonic()
+    deadline = started + float(spec.get("fabric_timeout", FABRIC_TIMEOUT))
+    while True:
+        waiting = fabric_states(executable)
+        if waiting == []:
+            return None, round(time.monotonic() - started)
+        if time.monotonic() >= deadline:
+            return ", ".join(waiting), round(time.monotonic() - started)
+        time.sleep(FABRIC_POLL_SECONDS)
+
+
 def outcome(spec, what, msg, **extra):
     return dict(name=spec["name"], outcome=what, msg=msg, **extra,
                 time=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -127,6 +170,13 @@ def resume(spec, executable=None):
             env.update(read_environment_file(spec["environment_file"], spec.get("user")))
         params = start_params(spec)
         preflight(params, env)
+        fabric, waited = fabric_problem(spec, executable)
+        if fabric:
+            return outcome(spec, "fabric_not_ready",
+                           f"not started: the GPUs' NVLink fabric is {fabric} after {waited}s (nvidia-smi "
+                           "-q, Fabric State; CUDA fails with error 802 until it is Completed): on the node, "
+                           "systemctl status nvidia-fabricmanager and /var/log/fabricmanager.log say why; "
+                           "deploy.yml starts it once the fabric is Completed")
         busy = idle_problems(spec, executable)
         if busy:
             waited = spec.get("gpu_timeout", 120)
@@ -134,8 +184,9 @@ def resume(spec, executable=None):
                                               f"({'; '.join(busy)}); deploy.yml starts it once they are")
         remove_file(pidfile)  # stale: the run it names died with the container
         new, startup = start_run(params, env)
-        return outcome(spec, "resumed", f"started again after the container's boot: {describe(new)} "
-                                        f"(the run before it, pid {record['pid']}, ended without a stop)",
+        after = f", after {waited}s waiting for the GPUs' NVLink fabric to be Completed" if waited else ""
+        return outcome(spec, "resumed", f"started again after the container's boot: {describe(new)} (the run "
+                                        f"before it, pid {record['pid']}, ended without a stop{after})",
                        pid=new["pid"], previous_pid=record["pid"], progress=startup.get("progress"))
 
 

@@ -13,7 +13,11 @@ description:
   - Runs on the Proxmox VE node. Reads the container's status with C(pct status); when the container
     does not exist, lists the node's containers with C(pct list) to name them in the message.
   - A stopped container fails the check, or is started with C(pct start) when O(start_stopped) is set
-    (the only change the module makes).
+    (the only change the module makes). The config is read first, and a lock in it (a running backup's
+    C(backup), a killed C(pct create)'s C(create)) refuses the start before it runs, naming the lock and what
+    to do; a running container's lock is a warning, since what follows (the run's stop and start) needs
+    only C(pct exec), which no lock refuses. A container the HA manager manages, whose C(pct start) only
+    queues a request with it (C(Requesting HA start for CT ...)), fails the check with that reason.
   - >-
     Reads the container's configuration with C(pct config) and reports its GPU passthrough lines in
     every form Proxmox VE takes (C(devN: /dev/nvidia0), C(devN: path=/dev/nvidia0,...) since PVE 8.1;
@@ -89,6 +93,12 @@ started:
   description: Whether the container was started (in check mode, whether it would have been).
   returned: always
   type: bool
+lock:
+  description: The C(lock:) of the container's config (V(backup), V(create), ...); null without one or when
+    the check failed before reading it.
+  returned: always
+  type: str
+  sample: backup
 gpu_passthrough:
   description: The GPU passthrough lines of the container's config.
   returned: when the container exists and runs (or was started)
@@ -130,8 +140,10 @@ from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     COMPUTE_APPS,
     GPU_IDS,
     PROGRAM,
+    VERSION_MISMATCH,
     NvidiaSmiError,
     cannot_run,
+    explain_failure,
     find_executable,
 )
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
@@ -143,6 +155,14 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import (
     gpu_passthrough_lines,
     passed_devices,
     said,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.pct_config import parse_config
+from ansible_collections.dflash.ops.plugins.module_utils.pct_locks import (
+    HA_REQUEST,
+    config_lock,
+    ha_refusal,
+    lock_refusal,
+    lock_warning,
 )
 
 ARGUMENT_SPEC = dict(
@@ -258,6 +278,9 @@ def container_gpus(vmid, node, answer):
            f"the node's version, and the container's GPU passthrough (pct config {vmid}).")
     if answer.rc != 0:
         output = f"{answer.stdout.strip()} {answer.stderr.strip()}".strip()
+        why = explain_failure(answer.rc, output)
+        if VERSION_MISMATCH in why:  # the node's driver moved: provision.yml is the fix, as it says
+            raise CheckFailed(f"nvidia-smi fails in CT {vmid} on node {node}: {why}")
         raise CheckFailed(f"nvidia-smi fails in CT {vmid} on node {node} (exit {answer.rc}): {output} {fix}")
     try:
         gpus = GPU_IDS.parse(answer.stdout)
@@ -288,17 +311,25 @@ def check(pct, params, check_mode, result, vmid_of_pid=vmid_of_pid):
         raise CheckFailed(status_failure_message(pct, vmid, status, containers))
     result["status"] = status.stdout.strip().partition("status:")[2].strip() or None
     running = "status: running" in status.stdout
+    if not running and not params["start_stopped"]:
+        raise CheckFailed(stopped_message(vmid, node, status))
+    config = pct.must("config", vmid)
+    lock = result["lock"] = config_lock(parse_config(config))
     if not running:
-        if not params["start_stopped"]:
-            raise CheckFailed(stopped_message(vmid, node, status))
+        if lock:
+            raise CheckFailed(lock_refusal(vmid, node, lock, f"pct start {vmid}"))
         if not check_mode:
             started = pct("start", vmid, timeout=START_TIMEOUT)
             if started.rc != 0:
                 raise CheckFailed(start_failed_message(vmid, node, started))
+            if HA_REQUEST.search(started.stdout):
+                raise CheckFailed(ha_refusal(vmid, node, f"pct start {vmid}", queued=said(started)))
             running = True
         result["started"] = result["changed"] = True
+    elif lock:
+        result["warnings"] = [lock_warning(vmid, node, lock)]
 
-    result["gpu_passthrough"] = gpu_passthrough_lines(pct.must("config", vmid))
+    result["gpu_passthrough"] = gpu_passthrough_lines(config)
     result["gpu_devices"] = passed_devices(result["gpu_passthrough"])
     if params["require_gpu_passthrough"]:
         if not result["gpu_passthrough"]:
@@ -350,7 +381,7 @@ def main():
     if any(gpu < 0 for gpu in p["required_gpus"]):
         module.fail_json(msg=f"required_gpus must be GPU indices >= 0, got {p['required_gpus']}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
-    result = dict(changed=False, status=None, started=False, gpu_count=None)
+    result = dict(changed=False, status=None, started=False, gpu_count=None, lock=None)
     try:
         check(Pct(p["pct_argv"], node), p, module.check_mode, result)
     except CheckFailed as exc:

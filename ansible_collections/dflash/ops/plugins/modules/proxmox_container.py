@@ -28,6 +28,12 @@ description:
     A bind mount point the options do not list is removed then too; a storage volume's is left alone.
     The root disk and C(unprivileged) are never changed (C(pct resize) and a new container do that).
   - V(absent) destroys the container, only when O(run_live) is false.
+  - A container whose config has a lock (a running backup's C(backup), a killed C(pct create)'s
+    C(create)) is refused before anything is changed when the module would start, shut down, change or
+    destroy it (pve-container refuses those), with what to do about that lock; with nothing to change it
+    goes on with a warning. A container the HA manager manages (C(hastate) in C(pvesh get
+    /cluster/resources)) is refused when it would be started or shut down, since C(pct) would only queue
+    a request with the HA manager.
   - The node's C(pvesm) and C(pvesh) run with the prefix of O(pct_argv) (through sudo when pct is), its
     C(nvidia-smi) without sudo.
 version_added: "0.3.0"
@@ -226,6 +232,16 @@ config:
   description: The container's config, key to value (what it would be, in check mode).
   returned: when O(state=present)
   type: dict
+lock:
+  description: The C(lock:) of the container's config (V(backup), V(create), ...); null without one or when
+    it did not exist.
+  returned: always
+  type: str
+  sample: backup
+ha_state:
+  description: The HA manager's state of the container (C(hastate)); null when HA does not manage it.
+  returned: always
+  type: str
 gpu_uuids:
   description: The UUIDs of the GPUs of O(gpus), in the order the container numbers them (0, 1, ...).
   returned: always
@@ -269,6 +285,14 @@ from ansible_collections.dflash.ops.plugins.module_utils.pct_config import (
     options_argv,
     parse_config,
     wanted_config,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.pct_locks import (
+    check_lock_and_ha,
+    config_lock,
+    ha_destroy_refusal,
+    ha_state,
+    lock_refusal,
+    needed_steps,
 )
 
 ARGUMENT_SPEC = dict(
@@ -510,11 +534,17 @@ def provision(pct, p, check_mode, result):
     running = exists and "status: running" in status.stdout
     result["status"] = ("running" if running else "stopped") if exists else None
     before = parse_config(pct.must("config", vmid)) if exists else {}
+    lock = result["lock"] = config_lock(before)
+    result["ha_state"] = ha_state(pct, vmid) if exists else None
     if p["state"] == "absent":
         if exists:
             if p["run_live"]:
                 raise CheckFailed(f"CT {vmid} on node {node} has a live training run: it is not destroyed. "
                                   "Stop the run first (playbooks/stop_training.yml).")
+            if lock:
+                raise CheckFailed(lock_refusal(vmid, node, lock, f"pct destroy {vmid}"))
+            if result["ha_state"]:
+                raise CheckFailed(ha_destroy_refusal(vmid, node, result["ha_state"]))
             if not check_mode:
                 if running:
                     shut_down(pct, vmid)
@@ -552,6 +582,7 @@ def provision(pct, p, check_mode, result):
     for d in diffs:
         d["applied"] = p["reconcile"] and d in settable
     result["differences"] = diffs
+    check_lock_and_ha(vmid, node, lock, result["ha_state"], needed_steps(vmid, p, settable, running), result)
     after = before
     if settable and p["reconcile"]:
         if p["run_live"]:
@@ -612,7 +643,7 @@ def main():
         module.fail_json(msg=f"proxmox_provision_mounts: {bad_mount}")
     node = p["node_name"] or socket.gethostname().split(".")[0]
     result = dict(changed=False, exists=False, status=None, created=False, destroyed=False, started=False,
-                  differences=[], gpu_uuids=[], driver_version=None, template=None)
+                  differences=[], gpu_uuids=[], driver_version=None, template=None, lock=None, ha_state=None)
     try:
         provision(Pct(p["pct_argv"], node), p, module.check_mode, result)
     except CheckFailed as exc:

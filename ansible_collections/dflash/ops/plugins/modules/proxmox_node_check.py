@@ -16,15 +16,28 @@ description:
   - C(pve-version) - C(pveversion) reports Proxmox VE O(min_pve_version) or later (C(devN) GPU
     passthrough needs 8.1).
   - C(nvidia-driver) - the node's C(nvidia-smi) answers and lists a GPU; its driver version is reported.
+  - C(dkms) - the NVIDIA driver's module is installed by DKMS for every installed C(proxmox-kernel-*)
+    (C(dpkg-query -W), C(dkms status)). Installed without DKMS, the next kernel has no C(nvidia.ko), and
+    after the reboot into it the node has no driver and no GPU container starts. The fix names
+    C(apt install dkms proxmox-default-headers) and the installer's C(--dkms).
+  - C(secure-boot) - under UEFI Secure Boot (C(mokutil --sb-state)), DKMS's signing key
+    C(/var/lib/dkms/mok.pub) is enrolled (C(mokutil --test-key)), else the kernel refuses the module.
+    Passes where Secure Boot is off.
   - C(nvidia-uvm) - C(lsmod) lists the C(nvidia_uvm) module, which makes C(/dev/nvidia-uvm) (CUDA in a
     container needs it passed through).
   - C(device-files) - each device file the containers pass through is a character device (C(test -c)),
-    every GPU's C(/dev/nvidiaN) and O(device_files). None exists after a boot until C(nvidia-modprobe),
-    C(nvidia-smi) or a CUDA program made it, and C(pct start) refuses a missing one; the fix names
-    C(nvidia-modprobe -c0 -u) and the boot unit C(dflash-nvidia-devices.service) the role installs.
-  - C(fabric-manager) - on an NVSwitch (HGX) board (C(nvidia-smi -q) shows a Fabric State other than N/A),
+    every GPU's C(/dev/nvidiaN) and O(device_files), looked at before the check runs C(nvidia-smi) (which
+    makes C(/dev/nvidiactl) and every C(/dev/nvidiaN)). None exists after a boot until C(nvidia-modprobe),
+    C(nvidia-smi) or a CUDA program made it, and C(pct start) refuses a missing one. Where the boot unit
+    C(dflash-nvidia-devices.service) is installed, it must be enabled, ordered Before=pve-guests.service,
+    and its C(ExecStart=) lines must make every one of those files as C(nvidia-modprobe) does (C(-cN) only
+    C(/dev/nvidiaN), C(-c255) C(/dev/nvidiactl), C(-u -c0) the two C(/dev/nvidia-uvm) files). The fix
+    names C(nvidia-modprobe -c255 -c0 ... -cN && nvidia-modprobe -u -c0) and the unit the role installs.
+  - C(fabric-manager) - on an NVSwitch (HGX) board (C(nvidia-smi -q) shows a Fabric State other than N/A,
+    or, on an A100-class board, which has no Fabric section, C(lspci -n -d 10de::0680) lists NVSwitches),
     C(nvidia-fabricmanager.service) is active, C(nv-fabricmanager --version) is the driver's version, and
-    every GPU's fabric is Completed; without it CUDA fails with error 802. Passes where there is no fabric.
+    every GPU's fabric state, where there is one, is Completed; without it CUDA fails with error 802.
+    Passes where neither shows an NVSwitch.
   - The items below check what the node's containers of O(containers) are created with, each distinct
     template and storage once.
   - C(template) - a container's template is in the node's index (C(pveam available --section system)),
@@ -40,8 +53,8 @@ description:
     cluster does not have yet (C(pvesh get /cluster/resources)), or O(min_free_gib) GiB when set
     (C(pvesm status --storage <storage>)).
   - C(pveam), C(pvesm) and C(pvesh) run as root (C(/usr/bin/pveam), C(/usr/sbin/pvesm),
-    C(/usr/bin/pvesh)), through C(sudo -n) when O(sudo) is set; C(pveversion), C(nvidia-smi) and
-    C(lsmod) as the connection's user.
+    C(/usr/bin/pvesh)), through C(sudo -n) when O(sudo) is set; C(pveversion), C(nvidia-smi), C(lsmod),
+    C(dpkg-query), C(dkms), C(mokutil) and C(lspci) as the connection's user.
 version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
 extends_documentation_fragment:
@@ -158,7 +171,7 @@ import socket
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils import nvidia_node, pve_templates
+from ansible_collections.dflash.ops.plugins.module_utils import nvidia_kernel, nvidia_node, pve_templates
 from ansible_collections.dflash.ops.plugins.module_utils.nvidia_smi import (
     NvidiaSmiError,
     Query,
@@ -415,10 +428,14 @@ def distinct(values):
 
 def run_checks(tools, params, check_mode):
     """Every item in order; returns (checks, pve_version, driver_version, downloaded)."""
+    # Before nvidia-smi runs (check_driver): NVML makes /dev/nvidiactl and every /dev/nvidiaN.
+    present = nvidia_node.present_files()
     version_check, pve_version = check_pve_version(tools, parse_min_version(params["min_pve_version"]))
     driver_check, driver_version, minors = check_driver()
     devices = nvidia_node.device_files(minors, params["device_files"]) if driver_version else []
-    checks = [version_check, driver_check, check_uvm(tools), nvidia_node.check_device_files(check, devices),
+    checks = [version_check, driver_check, nvidia_kernel.check_dkms(check, tools, driver_version),
+              nvidia_kernel.check_secure_boot(check, tools), check_uvm(tools),
+              nvidia_node.check_device_files(check, devices, present, nvidia_node.read_unit()),
               nvidia_node.check_fabric_manager(check, tools, query_report(), driver_version)]
     downloaded = False
     containers = params["containers"]
