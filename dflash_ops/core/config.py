@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from dflash_ops.core import token_store
+from dflash_ops.core import data_rows, token_store
 from dflash_ops.core.devices import visible_devices
 from dflash_ops.core.mask_token import mask_token_problem
 from dflash_ops.core.safe_paths import output_dir_problem
@@ -291,34 +293,52 @@ def _forms_block(mask: list[int], block_size: int) -> bool:
     return any(mask[a] and mask[a + 1] for a in range(len(mask) - block_size + 1))
 
 
-def survey_data(cfg: TrainConfig) -> DataCounts:
-    """Count data.path's rows, trainable rows and rows max_length cuts (`DataCounts`); a malformed line
-    counts as a row that trains (the loader refuses it, naming the line)."""
+def survey_data(cfg: TrainConfig, vocab_size: int | None = None, strict: bool = False) -> DataCounts:
+    """Count data.path's rows, trainable rows and rows max_length cuts (`DataCounts`) in one streaming pass.
+    A malformed line counts as a row that trains (the loader refuses it, naming the line), unless `strict`
+    (a run about to train): then every row is read as the trainer reads it and one it would refuse is
+    refused here, with its words (`dflash_ops.core.data_rows`: the JSON, the lists, the ids within
+    `vocab_size`, an empty file), or, when a fresh token store lies beside data.path (what the trainer then
+    reads), the store's manifest and index are checked instead (its rows are read only when its largest id
+    is beyond `vocab_size`)."""
     data, rows, trainable, cut, filtered = cfg.data, 0, 0, 0, 0
+    path = data_rows.data_file(data.path) if strict else Path(data.path)
+    store = token_store.fresh_store(path) if path.is_file() else None
+    if store is not None:  # what the trainer reads (dflash_ops.data.examples.training_examples)
+        if strict:
+            data_rows.check_store(path, store, data.max_length, vocab_size, data.min_loss_tokens)
+        return DataCounts(*data_rows.store_counts(store, data.max_length, cfg.model.block_size,
+                                                  data.min_loss_tokens))
     try:
-        with Path(data.path).open() as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                rows += 1
-                try:
+        for line_no, line in data_rows.text_lines(path):
+            rows += 1
+            if strict:
+                where = f"{path}:{line_no}"
+                ids, mask = data_rows.parse_row(line, where)
+                data_rows.check_vocabulary(max(ids[: data.max_length]), vocab_size, where)
+                row = {"input_ids": ids, "loss_mask": mask}
+            try:
+                if not strict:
                     row = json.loads(line)
-                    cut += len(row["input_ids"]) > data.max_length
-                    mask = row["loss_mask"][: data.max_length]
-                    if data.min_loss_tokens is not None and sum(mask) < data.min_loss_tokens:
-                        filtered += 1
-                    else:
-                        trainable += _forms_block(mask, cfg.model.block_size)
-                except (ValueError, KeyError, TypeError, IndexError):
-                    trainable += 1
+                cut += len(row["input_ids"]) > data.max_length
+                mask = row["loss_mask"][: data.max_length]
+                if data.min_loss_tokens is not None and sum(mask) < data.min_loss_tokens:
+                    filtered += 1
+                else:
+                    trainable += _forms_block(mask, cfg.model.block_size)
+            except (ValueError, KeyError, TypeError, IndexError):
+                trainable += 1
     except OSError as exc:
         raise ConfigError("data.path", f"cannot read {data.path}: {exc.strerror}") from exc
+    if strict and not rows:
+        raise data_rows.no_examples(path, data.min_loss_tokens, 0)
     return DataCounts(rows, trainable, cut, filtered)
 
 
-def surveyed(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with its data counted (`survey_data`); a config under which no row forms a block is refused."""
-    counts = survey_data(cfg)
+def surveyed(cfg: TrainConfig, vocab_size: int | None = None, strict: bool = False) -> TrainConfig:
+    """`cfg` with its data counted (`survey_data`, `strict` with the target's `vocab_size` for a run about to
+    train); a config under which no row forms a block is refused."""
+    counts = survey_data(cfg, vocab_size, strict)
     if counts.rows and not counts.trainable and counts.filtered:
         raise ConfigError("data.min_loss_tokens", f"{cfg.data.path} holds no examples with "
                           f"{cfg.data.min_loss_tokens} loss tokens or more (data.min_loss_tokens; "
@@ -330,7 +350,11 @@ def surveyed(cfg: TrainConfig) -> TrainConfig:
                           f"tokens in a row at least model.block_size ({cfg.model.block_size}) tokens before "
                           "its cut end: raise data.max_length or lower model.block_size")
     if cfg.data.eval_path is not None:
-        eval_rows = count_examples(cfg.data.eval_path, cfg.data.max_length)
+        try:  # the held-out rows, read as the run's held-out loader reads them when `strict`
+            eval_rows = (data_rows.checked_rows(cfg.data.eval_path, cfg.data.max_length, vocab_size)
+                         if strict else count_examples(cfg.data.eval_path, cfg.data.max_length))
+        except data_rows.DataError as exc:
+            raise ConfigError("data.eval_path", exc.message) from exc
         counts = dataclasses.replace(counts, eval_rows=eval_rows)
     return dataclasses.replace(cfg, data_counts=counts)
 
@@ -361,6 +385,48 @@ def check_output_dir(cfg: TrainConfig) -> None:
     if problem:
         raise ConfigError("run.output_dir", f"{problem}: the run would write where another user (or the "
                           "link) chose; remove it or point run.output_dir elsewhere")
+
+
+def writable_problem(directory: str | Path) -> str | None:
+    """Why the run could not create its files in `directory` (or, while it does not exist, in the nearest
+    directory above it that does, where the run would create it); None when it can. Asked of the kernel
+    (access(2): a read-only mount, the permissions), then proven by a probe file of a fresh name, created
+    and removed at once (root passes access(2) wherever the mount is writable): nothing the run or a live
+    run there reads or writes is touched."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return None  # not a directory on the way: output_dir_problem says so
+    where = "" if path == Path(directory).absolute() else f" (where {directory} would be created)"
+    if not os.access(path, os.W_OK | os.X_OK):
+        reason = "is on a read-only mount" if os.statvfs(path).f_flag & os.ST_RDONLY else "is not writable"
+        return f"{path} {reason}{where}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dflash-write-probe-", dir=path)
+    except OSError as exc:
+        return f"{path}: cannot create a file in it{where}: {exc.strerror}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_writable_output_dir(cfg: TrainConfig) -> None:
+    """The run can create its files in run.output_dir (`writable_problem`)."""
+    problem = writable_problem(cfg.run.output_dir)
+    if problem:
+        raise ConfigError("run.output_dir", f"{problem}: the run could write no checkpoint; point "
+                          "run.output_dir at a writable directory")
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """A cuda layout needs a GPU this process can see (`visible_devices`: CUDA_VISIBLE_DEVICES, else the
+    driver's /dev/nvidiaN); whether torch can use it is `validate`'s check of its build."""
+    if cfg.pipeline.device == "cuda" and not visible_devices():
+        why = "CUDA_VISIBLE_DEVICES is empty" if "CUDA_VISIBLE_DEVICES" in os.environ else "no /dev/nvidiaN"
+        raise ConfigError("pipeline.device", "'cuda' requested but no CUDA device is visible "
+                          f"({why}): run on a machine with a GPU, or set pipeline.device to "
+                          "cpu")
 
 
 class _Loader(yaml.SafeLoader):
@@ -406,12 +472,15 @@ def apply_overrides(raw, overrides: dict[str, dict]):
     return merged
 
 
-def load_config(path: str | Path, check_target: bool = True, overrides: list[str] | tuple[str, ...] = ()
-                ) -> TrainConfig:
+def load_config(path: str | Path, check_target: bool = True, overrides: list[str] | tuple[str, ...] = (),
+                training: bool = True) -> TrainConfig:
     """Read, validate and return the YAML config at `path`, with `overrides` (SECTION.KEY=VALUE, as on the
     command line) laid over it; raise ConfigError on any problem.
     `check_target` also checks it against this machine: the target and the data on disk, the output
-    directory, the visible GPUs; and counts data.path's examples when optim.epochs needs them."""
+    directory, the visible GPUs; and counts data.path's examples when optim.epochs needs them. With
+    `training` too (`train`, its `--dry-run`, its workers, `validate`; not a command that only reads a run,
+    such as `evaluate`), what the run itself would refuse is refused here, with the run's words: data.path's
+    rows read as the trainer reads them (`survey_data`), run.output_dir writable, a GPU for a cuda layout."""
     path = Path(path)
     try:
         raw = read_yaml(path.read_text())
@@ -427,7 +496,13 @@ def load_config(path: str | Path, check_target: bool = True, overrides: list[str
         check_data(cfg)
         check_output_dir(cfg)
         cfg.pipeline.check_visible_gpus(len(visible_devices()))
-        cfg = counted(surveyed(cfg))
+        if training:
+            check_device(cfg)
+            check_writable_output_dir(cfg)
+        try:
+            cfg = counted(surveyed(cfg, target_shape(cfg.model.target_path)[1], strict=training))
+        except data_rows.DataError as exc:
+            raise ConfigError(exc.key or "data.path", exc.message) from exc
     return cfg
 
 

@@ -9,9 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class PromptError(ValueError):
-    """A prompt line is not a chat."""
+from dflash_ops.data.chat_formats import PromptError, read_chat_rows  # noqa: F401 (PromptError: this module's API)
 
 
 @dataclass(frozen=True)
@@ -30,30 +28,15 @@ class GenerationSettings:
                              f"got {self.temperature} and {self.top_p}")
 
 
-def _is_message(message) -> bool:
-    return (isinstance(message, dict) and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str))
-
-
 def read_chats(path: str | Path) -> list[list[dict]]:
-    """The chat of each line of `path` (blank lines count, so ids stay line indices), without a
-    trailing assistant message."""
+    """The chat of each row of the prompt set at `path` (`dflash_ops.data.chat_formats`: JSON lines of
+    messages or ShareGPT/SpecForge conversations, parquet, Arrow; blank lines count, as empty chats, so ids
+    stay line indices), without a trailing assistant message."""
     chats = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            chats.append([])
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise PromptError(f"{path}:{line_no}: not JSON ({exc})") from exc
-        messages = row.get("messages") if isinstance(row, dict) else row
-        if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
-            raise PromptError(f"{path}:{line_no}: expected a list of messages with string role and content, "
-                              "or an object with one under messages")
-        if messages[-1]["role"] == "assistant":
+    for messages in read_chat_rows(path):
+        if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        chats.append(messages)
+        chats.append(messages or [])
     return chats
 
 

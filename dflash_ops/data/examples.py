@@ -7,7 +7,6 @@ then memory-maps (`dflash_ops.data.pack`, `dflash_ops.core.token_store`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +14,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_ops.core.data_rows import (  # noqa: F401 (DataError: this module's API too)
+    DataError,
+    check_store,
+    check_vocabulary,
+    data_file,
+    no_examples,
+    parse_row,
+    text_lines,
+)
 from dflash_ops.core.token_store import TokenStore, fresh_store
-
-
-class DataError(ValueError):
-    """The data file is missing or a line of it is malformed."""
 
 
 @dataclass
@@ -28,42 +32,12 @@ class Example:
     loss_mask: torch.Tensor  # [S] int64, 1 on response tokens
 
 
-def _parse_row(line: str, where: str) -> tuple[list[int], list[int]]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: not JSON ({exc.msg})") from exc
-    if not isinstance(row, dict) or "input_ids" not in row or "loss_mask" not in row:
-        raise DataError(f"{where}: expected an object with input_ids and loss_mask")
-    ids, mask = row["input_ids"], row["loss_mask"]
-    if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) and ids):
-        raise DataError(f"{where}: input_ids and loss_mask must be non-empty lists of equal length")
-    if not all(isinstance(t, int) and t >= 0 for t in ids) or not all(m in (0, 1) for m in mask):
-        raise DataError(f"{where}: input_ids must be non-negative ints and loss_mask 0/1")
-    return ids, mask
-
-
-def _data_file(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.path: no data file at {path}")
-    return path
-
-
 def iter_rows(path: str | Path):
     """(input_ids, loss_mask) of every non-blank line of the JSON-lines file at `path`, whole and checked
     (a DataError names the line)."""
-    path = _data_file(path)
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                yield _parse_row(line, f"{path}:{line_no}")
-
-
-def _no_examples(path, min_loss_tokens, dropped) -> DataError:
-    short = f" with {min_loss_tokens} loss tokens or more (data.min_loss_tokens; {dropped} fewer)" \
-        if dropped else ""
-    return DataError(f"data.path: {path} holds no examples{short}")
+    path = data_file(path)
+    for line_no, line in text_lines(path):
+        yield parse_row(line, f"{path}:{line_no}")
 
 
 def load_examples(path: str | Path, max_length: int, vocab_size: int | None = None,
@@ -71,23 +45,19 @@ def load_examples(path: str | Path, max_length: int, vocab_size: int | None = No
     """Every line of the JSON-lines file at `path`, truncated to `max_length` tokens; with
     `min_loss_tokens`, less the examples that keep fewer loss tokens than that (SpecForge's filter,
     counted after the truncation as SpecForge counts them)."""
-    path = _data_file(path)
+    path = data_file(path)
     examples, dropped = [], 0
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                ids, mask = _parse_row(line, f"{path}:{line_no}")
-                example = Example(torch.tensor(ids[:max_length], dtype=torch.int64),
-                                  torch.tensor(mask[:max_length], dtype=torch.int64))
-                if vocab_size is not None and int(example.input_ids.max()) >= vocab_size:
-                    raise DataError(f"{path}:{line_no}: token id {int(example.input_ids.max())} is outside "
-                                    f"the target's vocabulary ({vocab_size})")
-                if min_loss_tokens is not None and int(example.loss_mask.sum()) < min_loss_tokens:
-                    dropped += 1
-                    continue
-                examples.append(example)
+    for line_no, line in text_lines(path):
+        ids, mask = parse_row(line, f"{path}:{line_no}")
+        example = Example(torch.tensor(ids[:max_length], dtype=torch.int64),
+                          torch.tensor(mask[:max_length], dtype=torch.int64))
+        check_vocabulary(int(example.input_ids.max()), vocab_size, f"{path}:{line_no}")
+        if min_loss_tokens is not None and int(example.loss_mask.sum()) < min_loss_tokens:
+            dropped += 1
+            continue
+        examples.append(example)
     if not examples:
-        raise _no_examples(path, min_loss_tokens, dropped)
+        raise no_examples(path, min_loss_tokens, dropped)
     return examples
 
 
@@ -95,9 +65,9 @@ class StoredExamples(Sequence):
     """The examples of a token store as `load_examples` returns them (same rows, truncation, filter and
     order), each read from the store when a batch asks for it."""
 
-    def __init__(self, store: TokenStore, max_length: int, min_loss_tokens: int | None = None):
+    def __init__(self, store: TokenStore, max_length: int, min_loss_tokens: int | None = None, rows=None):
         self.store, self.max_length = store, max_length
-        self.rows = store.kept_rows(max_length, min_loss_tokens)
+        self.rows = store.kept_rows(max_length, min_loss_tokens) if rows is None else rows
 
     def __len__(self) -> int:
         return self.rows.size
@@ -113,24 +83,15 @@ def stored_examples(path: str | Path, store, max_length: int, vocab_size: int | 
                     min_loss_tokens: int | None = None) -> Sequence[Example]:
     """`load_examples` of `path` read from its token store (dflash_ops.core.token_store): the same rows in the
     same order, each read from the mapping when a batch asks for it."""
-    examples = StoredExamples(store, max_length, min_loss_tokens)
-    if vocab_size is not None and store.manifest["max_token_id"] >= vocab_size:
-        for i in range(len(examples)):  # the store's largest id may lie beyond max_length: find a kept one
-            largest = int(examples[i].input_ids.max())
-            if largest >= vocab_size:
-                row = int(examples.rows[i]) + 1
-                raise DataError(f"{path} (its token store, row {row}): token id {largest} is outside "
-                                f"the target's vocabulary ({vocab_size})")
-    if not len(examples):
-        raise _no_examples(path, min_loss_tokens, len(store))
-    return examples
+    return StoredExamples(store, max_length, rows=check_store(path, store, max_length, vocab_size,
+                                                              min_loss_tokens))
 
 
 def training_examples(data, vocab_size: int | None = None) -> Sequence[Example]:
     """The training examples a config's `data` section names: those of data.path with its max_length and
     min_loss_tokens, memory-mapped from its token store when a fresh one lies beside it
     (`python -m dflash_ops.data pack`), parsed from the JSON lines otherwise."""
-    store = fresh_store(_data_file(data.path))
+    store = fresh_store(data_file(data.path))
     if store is not None:
         return stored_examples(data.path, store, data.max_length, vocab_size, data.min_loss_tokens)
     return load_examples(data.path, data.max_length, vocab_size, data.min_loss_tokens)

@@ -5,8 +5,10 @@ A drafter learns to predict the target, so its training responses are the target
 paper regenerates every response). `--engine vllm` answers on vLLM's engine in processes of its own venv
 (`dflash_ops.data.regenerate_engine`, docs/PIPELINE.md); this module holds the command, the resume and
 provenance rules every engine shares, and the transformers path (`--engine hf`) described here.
-Each prompt line is a chat, `{"messages": [{"role", "content"}, ...]}` or the bare list; a trailing
-assistant message is dropped (its answer is what is regenerated).
+Each prompt line is a chat, `{"messages": [{"role", "content"}, ...]}` or the bare list, or ShareGPT's or
+SpecForge's `{"conversations": [...]}`; parquet and Arrow prompt sets too (`dflash_ops.data.chat_formats`,
+which refuses anything else naming the formats); a trailing assistant message is dropped (its answer is
+what is regenerated).
 The chat goes through the target tokenizer's chat template with the generation prompt, the target
 answers in batches (left-padded; greedy, or sampled with `--temperature`/`--top-p`), and each row
 of the output is `{"id": <prompt line index>, "input_ids": chat + response, "loss_mask": 0 on the
@@ -349,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="the target model directory (with its tokenizer)")
     parser.add_argument("--prompts", required=True,
                         help='JSON lines, each {"messages": [{"role": "user", "content": "..."}, ...]} or '
-                             "the bare list; a last assistant message is replaced by the target's answer")
+                             'the bare list, or ShareGPT/SpecForge {"conversations": [{"from"|"role", '
+                             '"value"|"content"}]}; or a local parquet/Arrow file or directory of such rows '
+                             "(through pyarrow); a last assistant message is replaced by the target's answer")
     parser.add_argument("--out", required=True,
                         help="the training JSON lines to write (and <out>.manifest.json beside them)")
     parser.add_argument("--enable-thinking", choices=("true", "false"), default="false",

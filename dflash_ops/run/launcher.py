@@ -182,8 +182,9 @@ class Worker:
 
 
 class Launcher:
-    def __init__(self, cfg: TrainConfig, config_path: str):
+    def __init__(self, cfg: TrainConfig, config_path: str, lock_fd: int | None = None):
         self.cfg = cfg
+        self.lock_fd = lock_fd  # the run directory's lock (dflash_ops.run.run_lock): torchrun holds it too
         self.config_path = str(Path(config_path).resolve())
         self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
         self.specs = plan_workers(cfg.pipeline, len(self.devices))
@@ -328,6 +329,7 @@ class Launcher:
             command, env=torchrun_environment(self.specs, self.cfg.pipeline, self.devices),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             preexec_fn=_torchrun_setup,  # same process group as the launcher: never a new session
+            pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # the lock lasts while torchrun lives
         )
         streams = ((self.process.stdout, self._on_line), (self.process.stderr, self._on_stderr))
         pumps = [threading.Thread(target=self._pump, args=pair, daemon=True) for pair in streams]
@@ -346,6 +348,11 @@ class Launcher:
 
     def _finish(self, code: int) -> int:
         clean = len(self.workers) == len(self.specs) and all(w.returncode == 0 for w in self.workers.values())
+        if (code == 0 or (self.stop_requested and clean)) and self.status.lost is not None:
+            # The drafters ended, but the final checkpoint could not be written: steps no checkpoint holds.
+            self.emit("exit", returncode=1, error=self.status.lost, restarts=self.attempt)
+            print(f"dflash_ops.train: {self.status.lost}", file=sys.stderr)
+            return 1
         if code == 0 or (self.stop_requested and clean):
             self.emit("exit", returncode=0, restarts=self.attempt)
             return 0
@@ -359,14 +366,15 @@ class Launcher:
         return 1
 
 
-def launch(cfg: TrainConfig, config_path: str) -> int:
-    """Run the multi-process pipeline for `cfg`; the exit status of the run (2: bad layout or input)."""
+def launch(cfg: TrainConfig, config_path: str, lock_fd: int | None = None) -> int:
+    """Run the multi-process pipeline for `cfg`; the exit status of the run (2: bad layout or input).
+    `lock_fd`: the run directory's held lock, which torchrun inherits (dflash_ops.run.run_lock)."""
     try:
         if not Path(cfg.data.path).is_file():
             raise ConfigError("data.path", f"no data file at {cfg.data.path}")
         if cfg.data.features_path is not None:  # once per launch: torchrun's restarts do not hash it again
             check_cache(cfg, checksums=cfg.data.features_verify == "checksums")
-        launcher = Launcher(cfg, config_path)
+        launcher = Launcher(cfg, config_path, lock_fd)
     except ConfigError as exc:
         print(f"invalid config {config_path}: {exc}", file=sys.stderr)
         return 2

@@ -7,25 +7,29 @@ drafter live here and take turns each step (the drafter side is dflash_ops.train
 `DrafterRun`, fed by `TargetFeatures`). SIGTERM (or SIGINT) lets the current step finish, then the run saves a
 checkpoint, logs a `stop` event (status.json: `stopped`) and exits 0: the stop takes at most one
 step plus one checkpoint save (a `run.step_delay` pause is cut short), which is what a stop timeout
-must allow for. Exit codes: 0 done or stopped, 1 crashed, 2 bad input.
+must allow for. Exit codes: 0 done or stopped, 1 crashed or its final checkpoint could not be written
+(a `checkpoint_lost` line, status.json `failed`: the steps since the last checkpoint are in none), 2 bad
+input.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from dflash_ops.core.cli import add_config_arguments, parse_config_command
 from dflash_ops.core.config import ConfigError, TrainConfig, load_config
-from dflash_ops.core.runtime import EXIT_BAD_INPUT, StopSignal, exit_code_of
+from dflash_ops.core.runtime import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_OK, StopSignal, exit_code_of
 from dflash_ops.core.safe_paths import UnsafePath
 from dflash_ops.data.data_manifest import check_thinking_mode
 from dflash_ops.data.examples import DataError
 from dflash_ops.data.target import TargetHead, load_target, step_features
 from dflash_ops.run.cache_feed import cached_run
 from dflash_ops.run.effective import effective_config
+from dflash_ops.run.run_lock import RunLock, RunLocked
 from dflash_ops.run.status import RunStatus, StatusLog
 from dflash_ops.training.checkpoint import check_fresh_start, move_run_aside
 from dflash_ops.training.drafter_run import DrafterRun
@@ -83,8 +87,12 @@ def run_single_process(cfg: TrainConfig) -> int:
             source.close()
         log.emit("stop", step=run.trainer.step, reason=reason)
 
-    return exit_code_of(train, log, stop, (ConfigError, DataError, FileNotFoundError, UnsafePath),
+    code = exit_code_of(train, log, stop, (ConfigError, DataError, FileNotFoundError, UnsafePath),
                         "dflash_ops.train")
+    if code == EXIT_OK and log.status.lost is not None:  # trained steps no checkpoint holds
+        print(f"dflash_ops.train: {log.status.lost}", file=sys.stderr)
+        return EXIT_CRASH
+    return code
 
 
 HELP_EPILOG = """\
@@ -103,7 +111,8 @@ examples:
   python -m dflash_ops.train configs/tiny-cpu.yaml optim.lr=1e-3 run.output_dir=runs/lr1e-3
   python -m dflash_ops.train configs/tiny-cpu.yaml run.resume=false --fresh
 
-exit codes: 0 done or stopped (SIGTERM: checkpoint, then exit), 1 crashed, 2 bad input."""
+exit codes: 0 done or stopped (SIGTERM: checkpoint, then exit), 1 crashed or the final checkpoint could
+not be written (a full disk: the steps since the last checkpoint are lost), 2 bad input."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                              "status.json, logs) is moved aside to <output_dir>.previous-<UTC time>, never "
                              "deleted")
     args, config_path, overrides = parse_config_command(parser, argv)
+    lock = None
     try:
         cfg = load_config(config_path, overrides=overrides)
         check_thinking_mode(cfg)  # before any process or model starts
@@ -129,24 +139,45 @@ def main(argv: list[str] | None = None) -> int:
             print(effective_config(cfg, resuming), end="")
             return 0
         if args.fresh:
+            lock = RunLock(cfg.run.output_dir)  # before the run there is moved aside
             aside = move_run_aside(cfg.run.output_dir)
             if aside is not None:
                 print(f"dflash_ops.train: --fresh: the run in {cfg.run.output_dir} moved to {aside}",
                       file=sys.stderr)
+                lock, moved = RunLock(cfg.run.output_dir), lock  # the new directory's own
+                moved.release()
         else:
+            # One writer: held until this process (and a pipeline's torchrun) ends. A directory that is
+            # there may hold a live run: its lock is asked for first, so a second trainer is refused
+            # at once; a new one is made only once the config is known to start.
+            if Path(cfg.run.output_dir).is_dir():
+                lock = RunLock(cfg.run.output_dir)
             check_fresh_start(cfg.run.output_dir, cfg.run.resume)
             resuming = check_resume(cfg)  # before anything is loaded or written
+            lock = lock or RunLock(cfg.run.output_dir)
             if resuming is not None and resuming[1]:
                 print(f"dflash_ops.train: warning: resuming {resuming[0]} with keys changed since it was "
-                      f"saved: {describe(resuming[1])}", file=sys.stderr)
+                      f"saved, applied from this config: {describe(resuming[1])}", file=sys.stderr)
     except (ConfigError, UnsafePath) as exc:
+        if lock is not None:
+            lock.release()
         print(f"invalid config {config_path}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if cfg.pipeline.is_multi_process:
-        from dflash_ops.run.launcher import launch
+    except RunLocked as exc:
+        if lock is not None:
+            lock.release()
+        print(f"dflash_ops.train: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BaseException:
+        if lock is not None:  # an in-process caller may start again
+            lock.release()
+        raise
+    with lock:
+        if cfg.pipeline.is_multi_process:
+            from dflash_ops.run.launcher import launch
 
-        return launch(cfg, config_path)
-    return run_single_process(cfg)
+            return launch(cfg, config_path, lock.fd)
+        return run_single_process(cfg)
 
 
 if __name__ == "__main__":

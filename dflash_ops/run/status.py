@@ -40,6 +40,7 @@ class RunStatus:
         self.stopping = False
         self.stop_signal = "SIGTERM"  # the signal of the launcher's stop event, when it names one
         self.drafters_stop_reason = "completed"  # why the drafters stopped (status.json's stop_reason)
+        self.lost: str | None = None  # a `checkpoint_lost` line's message: steps trained, not saved
         self.file = StatusFile(output_dir)
         self.file.fields.update(resumed_fields(self.file.path))
         self._write(state="starting")
@@ -84,6 +85,9 @@ class RunStatus:
                         **({"checkpoint_error": None} if event == "checkpoint" else {}))
         elif event == "checkpoint_failed":
             self._write(checkpoint_error=record.get("message"))
+        elif event == "checkpoint_lost":  # the run ends failed, whatever else it says
+            self.lost = record.get("message")
+            self._write(step=record.get("step"), error=self.lost)
         elif event == "stop":
             self._on_stop(worker, own, record)
         elif event == "error" and own:
@@ -93,11 +97,11 @@ class RunStatus:
             self._set_worker(worker, "exited" if record.get("returncode") == 0 else "failed")
             self._write()
         elif event == "exit":
-            if record.get("returncode") == 0:
+            if record.get("returncode") == 0 and self.lost is None:
                 self._write(state="stopped", stop_reason=f"signal {self.stop_signal}" if self.stopping
                             else self.drafters_stop_reason)
             else:
-                self._write(state="failed", error=record.get("error"))
+                self._write(state="failed", error=record.get("error") or self.lost, stop_reason=None)
 
     def log_error(self, message: str | None) -> None:
         """The log cannot be written (`message`), or can again (None)."""
@@ -113,7 +117,9 @@ class RunStatus:
             self._write(state="stopping")
             return
         self._set_worker(worker, "stopped")
-        if own:  # a single-process run has checkpointed and stops
+        if own and self.lost is not None:  # a single-process run stops with steps no checkpoint holds
+            self._write(state="failed", step=record.get("step"), error=self.lost, stop_reason=None)
+        elif own:  # a single-process run has checkpointed and stops
             self._write(state="stopped", step=record.get("step"), stop_reason=record.get("reason"))
         else:
             if worker is not None and worker.startswith("drafter"):

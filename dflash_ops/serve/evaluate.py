@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("config", f"{args.checkpoint} is an export, which carries no training "
                                   "config: give --config (its run's)")
             config_path = find_checkpoint(args.checkpoint) / "config.yaml"
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, training=False)  # reads a run: trains nothing, writes nothing
         data_path = heldout_path(cfg, args.data)
         result = evaluate(cfg, args.checkpoint, data_path, args.max_new_tokens, args.num_prompts,
                         include_target=not args.no_target_row, progress=sys.stderr.isatty() and not args.json)

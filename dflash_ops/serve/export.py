@@ -31,6 +31,9 @@ load as a DFlash drafter (docs/SERVING.md says how):
 (the target config's `_name_or_path`, else its directory; the sha256 of its config.json).
 
 `--best` exports the run's kept checkpoint with the best held-out tau (its metrics.jsonl).
+The report names the step it exports (`step`); from a run's output directory, when the run trained
+past that step (its status.json or metrics.jsonl: a final save that failed), a `warning` on stderr says
+so and the report adds `trained_step`.
 `--into DIR` writes to `DIR/<checkpoint name>` (`step-00000100`) and keeps an export already there
 that its SHA256SUMS still matches (same dtype); `--step N` picks that step of a run's output
 directory, `--plan` says what it would write, and writes nothing. `load_export(dir, target)`
@@ -395,11 +398,39 @@ def best_step(run_dir: str | Path) -> int:
     return max(taus, key=lambda step: (taus[step], step))
 
 
+def trained_step(run_dir: str | Path) -> int | None:
+    """The last step the run in `run_dir` trained, as its status.json and metrics.jsonl know it (None when
+    neither says: a checkpoint's own directory, or a run without them)."""
+    steps = []
+    try:
+        steps.append(json.loads((Path(run_dir) / "status.json").read_text()).get("step"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        steps += list(read_metrics(run_dir).get("train", {}))
+    except (FileNotFoundError, ValueError):
+        pass
+    steps = [step for step in steps if isinstance(step, int)]
+    return max(steps) if steps else None
+
+
+def unsaved_steps_warning(run_dir: str | Path, step: int) -> tuple[int, str] | None:
+    """(the run's last trained step, a warning) when the run in `run_dir` trained past `step`, the step
+    exported: the steps after it are in no checkpoint that this export holds."""
+    trained = trained_step(run_dir)
+    if trained is None or trained <= step:
+        return None
+    return trained, (f"exporting step {step}, but the run in {run_dir} trained to step {trained}: steps "
+                     f"{step + 1}-{trained} are not in this checkpoint (a save that failed, or one still to "
+                     "come; its status.json's checkpoint_error says why a save failed)")
+
+
 def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None, into: str | Path | None,
                dtype: str, plan: bool) -> dict:
     """What main prints: the checkpoint picked, where its export goes, and its files' checksums. With
     `into` and `step`, an export of that step already there is kept even when the run has removed
     the checkpoint since (its `checkpoint` is then null)."""
+    latest = step is None  # the run's latest checkpoint: warned of when the run trained past it
     kept = Path(into) / checkpoint_name(step) if into is not None and step is not None else None
     sums = export_checksums(kept, dtype) if kept is not None else None
     if sums is not None:
@@ -419,6 +450,11 @@ def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None,
             raise
     report = {"checkpoint": str(source) if source.is_dir() else None, "step": step, "out": str(out_dir),
               "dtype": dtype}
+    from_run = latest and Path(checkpoint).resolve() != source.resolve()
+    newer = unsaved_steps_warning(checkpoint, step) if from_run else None
+    if newer is not None:  # the run trained steps that no exported checkpoint holds
+        report["trained_step"] = newer[0]
+        print(json.dumps({"event": "warning", "message": newer[1]}), file=sys.stderr)
     if plan:
         return {"event": "plan", **report, "exists": sums is not None, "files": sums or {}}
     return {"event": "exported", **report, "reused": sums is not None,

@@ -133,7 +133,7 @@ def move_run_aside(output_dir: str | Path) -> Path | None:
     `<name>.previous-<UTC time>`, which is returned; None when there is nothing there. Nothing is deleted.
     A run still live there (its status.json's process, or a save in progress) is refused."""
     path = Path(output_dir)
-    if not path.is_dir() or not any(path.iterdir()):
+    if not path.is_dir() or not any(p.name != "train.lock" for p in path.iterdir()):  # run_lock's file
         return None
     check_directory(path)
     try:
@@ -308,8 +308,9 @@ def check_loss_weighting(configured: dict, meta: dict) -> None:
 def check_step_plan(cfg, meta: dict) -> None:
     """Refuse to resume a run of `optim.epochs` (`cfg`, a TrainConfig) whose steps now come out other than
     the checkpoint's run's: another data size or drafter count would move the end of the run and jump the
-    cosine schedule mid-run (the scheduler keeps only its step). optim.total_steps set to the checkpoint's
-    resumes it on purpose. A run of optim.total_steps resumes as it always has (the count is the config's)."""
+    cosine schedule mid-run (a resume rebuilds the schedule over the step count it derives now).
+    optim.total_steps set to the checkpoint's resumes it on purpose. A run of optim.total_steps resumes as
+    it always has (the count is the config's)."""
     trained = meta.get("step_plan")
     if cfg.optim.epochs is None or trained is None:
         return

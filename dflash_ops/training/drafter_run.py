@@ -112,6 +112,7 @@ class DrafterRun:
         self.trainer = DrafterTrainer(build_drafter(cfg, head), cfg, self.drafters.rank,
                                       self.drafters.process_group)
         self.last_saved_step: int | None = None
+        self.checkpoint_error: str | None = None  # why the latest save failed (None once one succeeds)
         self.meter = IntervalMeter()
         self.telemetry = RunTelemetry(self.output_dir, enabled=self.drafters.writes_files,
                                       warn=lambda message: self.log.emit("warning", message=message))
@@ -162,7 +163,7 @@ class DrafterRun:
                       changed={key: list(values) for key, values in changes.items()})
         if changes:
             self.log.emit("warning", message=f"resumed with keys changed since {checkpoint.name} was saved: "
-                          f"{describe(changes)}")
+                          f"{describe(changes)} (applied from this run's config)")
 
     def save(self) -> None:
         """Every drafter rank takes part (its random state goes into the checkpoint); those that write
@@ -186,9 +187,11 @@ class DrafterRun:
                     f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
                     f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
                     f"{last.name if last else 'none'}; the next save tries again"))
+                self.checkpoint_error = f"{exc.strerror or exc}"
                 saved = False
             else:
                 self.log.emit("checkpoint", step=step, path=str(path))
+                self.checkpoint_error = None
                 saved = True
         else:
             saved = True
@@ -258,5 +261,20 @@ class DrafterRun:
             stop.sleep(run_cfg.step_delay)
         if self.last_saved_step != self.trainer.step:
             self.save()
+        if self.last_saved_step != self.trainer.step and self.drafters.writes_files:
+            self.log_lost_steps()
         self.telemetry.close()
         return reason
+
+    def log_lost_steps(self) -> None:
+        """The run ends with steps its checkpoints do not hold (the final save failed): a `checkpoint_lost`
+        line says which, and why; the run then exits non-zero and status.json says `failed`
+        (dflash_ops.run.status), never `stopped` over steps that a resume would not find."""
+        step, saved = self.trainer.step, self.last_saved_step
+        last = latest_checkpoint(self.output_dir)
+        kept = f"the last complete checkpoint is {last.name}" if last else "there is no complete checkpoint"
+        first_lost = (saved or 0) + 1
+        self.log.emit("checkpoint_lost", step=step, saved_step=saved, message=(
+            f"the run trained to step {step} but its final checkpoint could not be written in "
+            f"{self.output_dir}/checkpoints ({self.checkpoint_error or 'not saved'}); {kept}: steps "
+            f"{first_lost}-{step} are not in any checkpoint (a resume trains them again once there is room)"))

@@ -5,8 +5,12 @@ now. `check_resume` compares that config with the checkpoint's own (`config.yaml
 any process, model or status file is touched: a key that changes the drafter's weights' shapes, or a
 target of another shape, cannot resume (ConfigError naming each difference: the weights would not load,
 or would load into another model); the loss weighting and an epochs-derived step count are refused as
-`dflash_ops.training.checkpoint` rules; every other difference (a schedule key such as optim.lr or
-data.batch_size) is returned, for the run to warn about and log in its `resume` line.
+`dflash_ops.training.checkpoint` rules; a key the resume could not apply (`FIXED`: run.seed, whose data
+order and random states the checkpoint's run goes on with) is refused the same way. Every other
+difference is applied from this config, and returned for the run to warn about and log in its `resume`
+line: the learning rate and schedule (optim.lr, warmup_ratio, total_steps, weight_decay: the scheduler
+is rebuilt from them at the resumed step, `dflash_ops.training.trainer.make_scheduler`, the AdamW
+moments kept), and the keys read at each step or save (max_grad_norm, data.batch_size, run.*, ...).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dflash_ops.training.checkpoint import check_loss_weighting, check_step_plan
 # Keys whose change makes the checkpoint's weights another model's.
 SHAPE_KEYS = ("model.num_draft_layers", "model.block_size", "model.target_layer_ids", "model.layer_types",
               "model.sliding_window")
+# Keys a resume cannot apply, and why: refused rather than announced and ignored.
+FIXED = {"run.seed": "the data order and the random states go on from the checkpoint's, drawn from its seed"}
 # The target's figures the drafter's weights are shaped by, as the checkpoint's drafter_config holds them.
 TARGET_SHAPE = ("hidden_size", "vocab_size")
 
@@ -51,8 +57,9 @@ def describe(changes: dict[str, tuple]) -> str:
 
 
 def check_resume(cfg: TrainConfig) -> tuple[Path, dict[str, tuple]] | None:
-    """The checkpoint `cfg` would resume from and the keys that differ from it (to warn about), None when
-    it starts afresh. A shape change is refused (ConfigError), nothing loaded, nothing written."""
+    """The checkpoint `cfg` would resume from and the keys that differ from it (applied from `cfg`: to warn
+    about), None when it starts afresh. A shape change, or one of `FIXED`, is refused (ConfigError),
+    nothing loaded, nothing written."""
     if not cfg.run.resume:
         return None
     checkpoint = latest_checkpoint(cfg.run.output_dir)
@@ -71,6 +78,12 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, dict[str, tuple]] | None:
                           "config's) change the drafter its weights are; set them back to resume (a null "
                           "mask_token_id takes the checkpoint's), or train from scratch in another "
                           "run.output_dir (or with --fresh)")
+    fixed = {k: v for k, v in changes.items() if k in FIXED}
+    if fixed:
+        key = next(iter(fixed))
+        raise ConfigError(key, f"cannot resume {checkpoint}: {describe(fixed)} (the checkpoint's -> this "
+                          f"config's) cannot be applied: {'; '.join(FIXED[k] for k in fixed)}; set it back "
+                          "to resume, or train from scratch in another run.output_dir (or with --fresh)")
     check_loss_weighting(cfg.loss_weighting, meta)
     check_step_plan(cfg, meta)
     return checkpoint, changes

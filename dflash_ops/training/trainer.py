@@ -88,11 +88,21 @@ def make_optimizer_and_scheduler(params, optim: OptimConfig, total_steps: int):
     or those its epochs derive: `TrainConfig.total_steps`) (paper: lr 6e-4, warmup 4%)."""
     params = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    return optimizer, make_scheduler(optimizer, optim, total_steps)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int, step: int = 0):
+    """The schedule of `optim` (its lr, warmup_ratio) over `total_steps`, standing at `step` (the steps
+    done: a resume's): every param group's lr is then optim.lr times the schedule's multiplier there.
+    A resume builds it afresh from its own config, so a changed lr or schedule is the one it trains by
+    (the optimizer's moments stay the checkpoint's)."""
     warmup_steps = round(optim.warmup_ratio * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = optim.lr
+        group["weight_decay"] = optim.weight_decay
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps), last_epoch=step - 1
     )
-    return optimizer, scheduler
 
 
 def document_groups(bounds: list[int], blocks_per_document: list[int], max_tokens: int,
@@ -321,5 +331,5 @@ class DrafterTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.load_state_dict(state["optimizer"])  # the moments; lr and schedule: this config's
+        self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.total_steps, self.step)

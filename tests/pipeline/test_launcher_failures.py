@@ -94,3 +94,18 @@ def test_a_restart_names_the_failed_start_and_forgets_it(launcher, report):
     assert status["restarts"] == 1 and status["workers"] == {
         "drafter0": {"state": "starting", "pid": 201, "gpus": []}}
     assert launcher.start_failure() is None  # the new start has failed in nothing yet
+
+
+def test_a_pipeline_whose_final_checkpoint_is_lost_exits_1_and_ends_failed(launcher, capsys):
+    """Every worker exits 0 (torchrun too), but drafter 0 could not write the final checkpoint: the run
+    exits 1 and status.json says `failed` with the lost steps, never `stopped`."""
+    lost = "the run trained to step 6 but its final checkpoint could not be written (No space left on device)"
+    for line in ({"event": "checkpoint_lost", "worker": "drafter0", "step": 6, "saved_step": 2,
+                  "message": lost},
+                 {"event": "stop", "worker": "drafter0", "step": 6, "reason": "completed"},
+                 *({"event": "worker_exit", "worker": name, "returncode": 0} for name in PIDS)):
+        launcher._on_line(json.dumps(line))
+    assert launcher._finish(0) == 1
+    assert lost in capsys.readouterr().err
+    status = json.loads(launcher.status.file.path.read_text())
+    assert (status["state"], status["error"], status["stop_reason"]) == ("failed", lost, None)

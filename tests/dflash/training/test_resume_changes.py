@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dflash_ops.run.main import main as train_main
@@ -89,3 +90,41 @@ def test_a_start_that_crashes_while_loading_keeps_the_old_runs_step_and_checkpoi
     assert (shown["state"], shown["error"]) == ("failed", "RuntimeError: the target's weights are unreadable")
     assert {k: shown[k] for k in ("step", "last_checkpoint", "heldout_loss", "heldout_tau")} == \
         {k: old[k] for k in ("step", "last_checkpoint", "heldout_loss", "heldout_tau")}
+
+
+def step_lrs(text: str) -> dict[int, float]:
+    records = (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+    return {r["step"]: r["lr"] for r in records if r["event"] == "step"}
+
+
+def test_a_resume_trains_at_the_configs_lr_and_schedule_with_the_moments_kept(tiny_config, tmp_path, capsys):
+    """optim.lr and the schedule's keys come from the config a run resumes with: the rate of the first
+    resumed step is the new lr on the new schedule at that step; the AdamW moments are the checkpoint's."""
+    import torch
+
+    from dflash_ops.training.trainer import lr_multiplier
+
+    run, _ = first_run(tiny_config, tmp_path, capsys)
+    saved = torch.load(latest_checkpoint(run) / "trainer.pt", weights_only=False)
+    moments = saved["trainer"]["optimizer"]["state"]
+    config = write_config(tmp_path / "faster.yaml",
+                          tiny_config(run, optim={"total_steps": 10, "lr": 3e-2, "warmup_ratio": 0.2}))
+    assert train_main(["--config", config, "run.max_steps_per_run=1"]) == 0
+    out, err = capsys.readouterr()
+    assert "optim.lr 0.003 -> 0.03" in err and "applied" in err
+    # Step 3 is the first resumed step: it ran with the scheduler at step 2 of the new 10-step schedule.
+    assert step_lrs(out)[3] == pytest.approx(3e-2 * lr_multiplier(2, 2, 10), rel=1e-9)
+    resumed = torch.load(latest_checkpoint(run) / "trainer.pt", weights_only=False)["trainer"]["optimizer"]
+    assert [g["initial_lr"] for g in resumed["param_groups"]] == [3e-2] * len(resumed["param_groups"])
+    # The moments went on from the checkpoint's (one more step), not from zero.
+    for key, state in resumed["state"].items():
+        assert int(state["step"]) == int(moments[key]["step"]) + 1
+
+
+def test_a_changed_seed_is_refused_before_anything_is_written(tiny_config, tmp_path, capsys):
+    run, status = first_run(tiny_config, tmp_path, capsys)
+    config = write_config(tmp_path / "seed.yaml", tiny_config(run, run={"seed": 1}))
+    assert train_main(["--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "run.seed 0 -> 1" in err and "Traceback" not in err
+    assert (run / "status.json").read_text() == status
