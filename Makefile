@@ -45,6 +45,26 @@ $(STAMP): pyproject.toml
 peer-suites: setup ## Fetch the connection test suites of ansible-core and community.proxmox (silent when there).
 	@$(PY) scripts/peer_suites.py
 
+# ansible-core 2.20 and 2.21 (the `ansible` 13 and 14 packages, with community.proxmox 1.6.0 and 2.0.0) need
+# Python 3.12+: Debian 13's python3.13, built once from its source package into ~/.cache/dflash-ops (minutes),
+# and a venv of it for each line, .cache/ansible13-venv and .cache/newest-venv (scripts/newest_venv.py).
+.PHONY: newest-venv test-newest
+newest-venv: ## Build Python 3.13 (once a machine) and the venvs of ansible 13 and 14 on it (silent when there).
+	@python3 scripts/newest_venv.py
+
+# The tests stay in $(VENV) (pvesim, the containers' trainer); DFLASH_ANSIBLE_BIN makes every Ansible program
+# they start that venv's: ansible-core's and community.proxmox's connection suites at its versions, the
+# connection's own tests, the declared ranges, community.proxmox's unit suite with docs/patches/ (2.x), and on
+# the newest line the playbook tests too.
+NEWEST_LINES := ansible13-venv newest-venv
+NEWEST_TESTS := tests/pvesim/test_peer_suites.py tests/pvesim/test_connection.py
+test-newest: setup newest-venv ## The connection suites and tests on ansible-core 2.20 and 2.21, the playbook tests on 2.21.
+	@for v in $(NEWEST_LINES); do DFLASH_ANSIBLE_BIN=$(abspath .cache)/$$v/bin $(PY) scripts/peer_suites.py || exit; done
+	DFLASH_ANSIBLE_BIN=$(abspath .cache)/ansible13-venv/bin $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	  $(NEWEST_TESTS) $(PYTEST_ARGS)
+	DFLASH_ANSIBLE_BIN=$(abspath .cache)/newest-venv/bin $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	  $(NEWEST_TESTS) tests/roles/test_playbooks.py $(PYTEST_ARGS)
+
 # transformers 4.57.1 (what the public DFlash code pins) beside torch 2.13.0, from the package index
 # (tests/dflash/serve/test_export_compat.py reloads an export under it; it skips while this venv is missing).
 compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export tests (silent when there).

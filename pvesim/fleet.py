@@ -34,6 +34,10 @@ from .sim import container_hostvars, down, up
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+# The Ansible the runs use: the venv's own, or that of the venv whose bin/ DFLASH_ANSIBLE_BIN names (make
+# test-newest: ansible-core 2.20 and 2.21 on Python 3.13, scripts/newest_venv.py); the tests, pvesim and the
+# containers' trainer stay in this venv.
+ANSIBLE_BIN = Path(os.environ.get("DFLASH_ANSIBLE_BIN") or VENV_BIN).absolute()
 PLAYBOOKS = REPO / "playbooks"
 SIM_GROUP_VARS = REPO / "inventory" / "sim" / "group_vars"
 # The run's start file and its boot outcome in a container, less their suffixes (the dflash_run role's).
@@ -82,14 +86,15 @@ def change_code(src, marker):
 
 
 def ansible_settings(**extra):
-    """What an Ansible run sets in its environment: the project's ansible.cfg, the venv first on PATH
-    (before an `extra` PATH too)."""
+    """What an Ansible run sets in its environment: the project's ansible.cfg, the Ansible's venv and
+    this venv first on PATH (before an `extra` PATH too)."""
     path = extra.pop("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
+    bins = [str(ANSIBLE_BIN)] + ([str(VENV_BIN)] if ANSIBLE_BIN != VENV_BIN else [])
     return {
         "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
-        "PATH": f"{VENV_BIN}:{path}",
+        "PATH": ":".join([*bins, path]),
         **extra,
     }
 

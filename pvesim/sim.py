@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -461,8 +462,9 @@ def container_hostvars(sim, node_name, vmid):
         "ansible_host": n.address, "ansible_port": n.port, "ansible_user": sim.node_user or "root",
         "ansible_private_key_file": str(sim.private_key), "proxmox_vmid": vmid,
         "ansible_python_interpreter": NODE_PYTHON, "pvesim_node": n.name,
-        # A container's root is an overlay over the controller's /: the site-packages of the
-        # Python that brought the sim up (the project's venv) are visible inside.
+        # A container's root is an overlay over the controller's /: the Python that brought the sim up
+        # (the project's venv) and its site-packages are visible inside (whichever Ansible runs the play).
+        "pvesim_python": sys.executable,
         "pvesim_site_packages": sysconfig.get_paths()["purelib"],
         **({"pvesim_address": sim.address_of(vmid)} if sim.network == "loopback" else {}),
     }

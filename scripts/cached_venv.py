@@ -1,6 +1,7 @@
 """A virtual environment under .cache/ that a make target builds once from the package index.
 
-`build(root, requirements, remove=...)` installs `requirements` into a fresh venv at `root`, then
+`build(root, requirements, remove=..., python=...)` installs `requirements` into a fresh venv at `root` (of
+`python`, an interpreter path, or of the one running this), then
 uninstalls `remove` (packages a requirement drags in that break the ones wanted), and writes a stamp
 naming both last: a venv whose stamp says the same is left alone (silent), and one without it (an
 interrupted build) or with another is built again. `is_built(root)` is what a test checks to skip.
@@ -28,11 +29,14 @@ def is_built(root: Path, requirements=None, remove=()) -> bool:
     return requirements is None or stamp.read_text() == _stamp_text(requirements, remove)
 
 
-def build(root: Path, requirements, remove=(), label: str = "venv") -> None:
+def build(root: Path, requirements, remove=(), label: str = "venv", python=None) -> None:
     if is_built(root, requirements, remove):
         return
     print(f"{label}: {' '.join(requirements)} from the package index -> {root}", flush=True)
-    venv.create(root, with_pip=True, clear=True)
+    if python is None:
+        venv.create(root, with_pip=True, clear=True)
+    else:
+        subprocess.run([str(python), "-m", "venv", "--clear", str(root)], check=True)
     python = str(Path(root) / "bin" / "python")
     subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True)
     if remove:

@@ -1,6 +1,7 @@
 """Drive dflash.ops.pct_pipelined directly (exec_command, put_file, fetch_file), as Ansible's workers do,
 against a pvesim container, in a process of its own (Ansible's plugin loader must own the
-`ansible_collections` package, which other tests import directly):
+`ansible_collections` package, which other tests import directly), of the Python of the Ansible under test
+(pvesim.fleet.ANSIBLE_BIN: this venv's, or the ansible-core 2.20 or 2.21 venv of make test-newest):
 
     python connection_driver.py <hostvars.json> serve [<options.json>]   # JSON requests, one a line
     python connection_driver.py <hostvars.json> put|fetch SRC DEST        # prints the call's peak MiB
@@ -67,7 +68,10 @@ class Driver:
     def __init__(self, hostvars, tmp_dir, **options):
         (Path(tmp_dir) / "hostvars.json").write_text(json.dumps(hostvars))
         (Path(tmp_dir) / "options.json").write_text(json.dumps(options))
-        self.proc = subprocess.Popen([sys.executable, __file__, str(Path(tmp_dir) / "hostvars.json"), "serve",
+        from pvesim.fleet import ANSIBLE_BIN  # here: the driver's own Python need not have pvesim's imports
+
+        self.proc = subprocess.Popen([str(ANSIBLE_BIN / "python"), __file__,
+                                      str(Path(tmp_dir) / "hostvars.json"), "serve",
                                       str(Path(tmp_dir) / "options.json")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 

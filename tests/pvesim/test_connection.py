@@ -6,6 +6,7 @@ through production's sudo rule (sudo_sim, CT 390). Upstream community.proxmox.pr
 the first two (docs/CONNECTION.md)."""
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 from connection_driver import Driver
 from simtools import in_ct
 
-from pvesim.fleet import VENV_BIN, ansible_env
+from pvesim.fleet import ANSIBLE_BIN, ansible_env
 from pvesim.sim import container_hostvars
 
 pytestmark = pytest.mark.sim
@@ -85,9 +86,9 @@ def test_a_raw_command_runs_whole_in_the_container(target):
     tag = f"/tmp/raw-{uuid.uuid4().hex[:8]}"
     command = (f"echo a > {tag}-redirect; echo b > {tag}-semi && echo $(echo c) > {tag}-subst"
                " | cat; readlink /proc/self/ns/mnt; readlink /proc/self/ns/mnt")
-    res = subprocess.run([str(VENV_BIN / "ansible"), "-i", str(target.sim.inventory_path), f"ct{target.vmid}",
-                          "-m", "ansible.builtin.raw", "-a", command], env=ansible_env(), capture_output=True,
-                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    res = subprocess.run([str(ANSIBLE_BIN / "ansible"), "-i", str(target.sim.inventory_path),
+                          f"ct{target.vmid}", "-m", "ansible.builtin.raw", "-a", command], env=ansible_env(),
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
     for suffix, content in (("-redirect", "a\n"), ("-semi", "b\n"), ("-subst", "c\n")):
         assert target.in_ct("cat", tag + suffix).stdout == content, suffix
@@ -179,3 +180,68 @@ def test_put_and_fetch_hold_a_chunk_not_the_file(target, tmp_path):
         assert (tmp_path / f"{mib}.back").read_bytes() == src.read_bytes()
     for verb in ("put", "fetch"):
         assert peaks[verb, 64] < peaks[verb, 4] + 8, peaks
+
+
+# Runs in the Python of the Ansible under test: connects to argv[3] port argv[4]; with argv[2] "unknown-key",
+# the node's sshd offers a key no known_hosts file has (only paramiko's network part is replaced), with no
+# terminal to confirm it on (a deploy's workers).
+CONNECT = r"""
+import sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import paramiko
+from ansible import context
+from ansible.module_utils.common.collections import ImmutableDict
+from ansible.playbook.play_context import PlayContext
+from ansible.plugins.loader import connection_loader, init_plugin_loader
+
+class OfferedKey:
+    def get_name(self):
+        return "ssh-ed25519"
+    def get_fingerprint(self):
+        return bytes(range(16))
+
+def offer_unknown_key(client, hostname, **kwargs):
+    client._policy.missing_host_key(client, hostname, OfferedKey())
+
+if sys.argv[2] == "unknown-key":
+    paramiko.SSHClient.connect = offer_unknown_key
+context.CLIARGS = ImmutableDict()
+init_plugin_loader([sys.argv[1]])
+play_context = PlayContext()
+play_context.connection_lockfd = tempfile.TemporaryFile().fileno()
+conn = connection_loader.get("dflash.ops.pct_pipelined", play_context, None)
+conn.set_options(direct={"remote_addr": sys.argv[3], "port": int(sys.argv[4]), "remote_user": "root",
+                         "vmid": 200, "timeout": 5})
+try:
+    conn._connect()
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def connect(tmp_path, *args):
+    """What the connection raises for CONNECT's case, in the Python of the Ansible under test."""
+    res = subprocess.run([str(ANSIBLE_BIN / "python"), "-c", CONNECT, str(Path(__file__).parents[2]), *args],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env={**ansible_env(), "HOME": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_an_unknown_node_key_without_a_terminal_says_which_key_and_how_to_check_it(tmp_path):
+    """Told apart by ansible-core's AnsiblePromptNoninteractive in the failure's chain (each tested
+    community.proxmox turns it into a failure of its own words), not by those words."""
+    out = connect(tmp_path, "unknown-key", "192.0.2.7", "2222")
+    assert out.startswith("AnsibleConnectionFailure: the ssh host key of 192.0.2.7 port 2222 (the"
+                          " container's Proxmox node) is not known"), out
+    assert "ssh-keyscan -p 2222 192.0.2.7" in out
+
+
+def test_a_node_that_refuses_the_connection_is_a_connection_failure(tmp_path):
+    """Unreachable, as for any connection (community.proxmox 2.0.0 alone raises an AttributeError)."""
+    with socket.socket() as bound:  # bound and not listening: a connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        out = connect(tmp_path, "refuse", "127.0.0.1", str(port))
+    assert out == f"AnsibleConnectionFailure: [Errno None] Unable to connect to port {port} on 127.0.0.1\n", (
+        out)

@@ -18,12 +18,17 @@
 #   ansible-core's ssh connection does: a PTY would echo and line-edit a pipelined module.
 # Everything else (paramiko, host key checking, the become method for a non-root node user, every
 # option) is the collection's.
+# What it takes from proxmox_pct_remote (community.proxmox 1.4 to 2.0, each tested; docs/CONNECTION.md): the
+# class, its options, and the ssh client its _connect() (ConnectionBase's contract) leaves in `self.ssh`
+# (a failure to connect is raised as AnsibleConnectionFailure here, which 2.0.0 fails to do itself).
+# Of ansible-core (2.19 to 2.21): ConnectionBase, its become plugin interface, AnsiblePromptNoninteractive.
 # Plugins keep their imports below the documentation block; its option lines are the collection's.
 # ruff: noqa: E402, E501
 from __future__ import annotations
 
-# The options are the collection's (community.proxmox 1.4.0, proxmox_pct_remote), with `pipelining` added
-# and `pty` off by default; tests/modules/test_module_docs.py checks that they stay in step.
+# The options are the collection's (proxmox_pct_remote's, the same in community.proxmox 1.4.0, 1.6.0 and
+# 2.0.0), with `pipelining` added and `pty` off by default; tests/modules/test_module_docs.py checks that
+# they stay in step.
 DOCUMENTATION = r"""
 author: dflash-ops contributors (@dflash-ops)
 name: pct_pipelined
@@ -304,7 +309,12 @@ import select
 import shlex
 from io import BytesIO
 
-from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
+from ansible.errors import (
+    AnsibleConnectionFailure,
+    AnsibleError,
+    AnsibleFileNotFound,
+    AnsiblePromptNoninteractive,
+)
 from ansible.module_utils.common.text.converters import to_bytes, to_text
 from ansible.plugins.connection import ConnectionBase
 from ansible.utils.display import Display
@@ -322,6 +332,17 @@ def node_command(argv):
     """The one string the node's shell parses (sshd runs it as `<login shell> -c <string>`): each word
     quoted, so that shell only undoes the quoting and runs `argv` as it is."""
     return " ".join(shlex.quote(word) for word in argv)
+
+
+def _raised_during(error, kind):
+    """Whether `error` was raised while an exception of `kind` was handled (its cause or context chain)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def pump(chan, stdin, stdout, stderr):
@@ -371,11 +392,18 @@ class Connection(upstream.Connection):
     def _connect(self):
         try:
             return super()._connect()
-        except AnsibleConnectionFailure as e:
+        except Exception as e:
             # The collection asks to confirm an unknown node key on a terminal; without one (a deploy's
-            # workers) all it says is "stdin is not interactive".
-            if "stdin is not interactive" not in str(e):
-                raise
+            # workers) ansible-core's prompt raises AnsiblePromptNoninteractive, which the collection turns
+            # into a failure that says only "stdin is not interactive".
+            if not _raised_during(e, AnsiblePromptNoninteractive):
+                if isinstance(e, AnsibleError):
+                    raise
+                # community.proxmox 2.0.0 translates a failure to connect (refused, unreachable, a closed
+                # banner) through a method it lacks, so it surfaces as an AttributeError raised while the
+                # failure was handled: that failure, unreachable as any other connection's.
+                failure = e.__context__ if isinstance(e, AttributeError) and e.__context__ else e
+                raise AnsibleConnectionFailure(to_text(failure) or type(failure).__name__) from failure
             host, port = self.get_option("remote_addr"), self.get_option("port")
             raise AnsibleConnectionFailure(
                 f"the ssh host key of {host} port {port} (the container's Proxmox node) is not known and"
@@ -412,7 +440,9 @@ class Connection(upstream.Connection):
                 chan.get_pty(term=os.getenv("TERM", "vt100"), width=int(os.getenv("COLUMNS", 0)),
                              height=int(os.getenv("LINES", 0)))
             if self.get_option("forward_agent"):
-                upstream.paramiko.agent.AgentRequestHandler(chan)
+                from paramiko.agent import AgentRequestHandler  # paramiko: the connection's requirement
+
+                AgentRequestHandler(chan)
             display.vvv(f"EXEC {node_cmd}", host=self.get_option("remote_addr"))
             chan.exec_command(to_bytes(node_cmd, errors="surrogate_or_strict"))
             if self.become and self.become.expect_prompt():
