@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from stat import S_ISLNK, S_ISREG
@@ -189,20 +190,56 @@ def stopped_result(record, verdict, **extra):
     return result
 
 
+# The pidfile's lock is root's alone: a lock file others may open is a lock any local user can hold (flock
+# works on a read-only descriptor), and a held lock would block every stop, restart and deploy.
+LOCK_MODE = 0o600
+LOCK_POLL_SECONDS = 0.2
+
+
+def lock_holders(fd):
+    """The pids that /proc/locks says hold a flock on `fd`'s file (waiters, `->` lines, left out)."""
+    st = os.fstat(fd)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    return [int(row[4]) for row in rows if len(row) > 5 and row[1] == "FLOCK" and row[5] == file_id]
+
+
+def take_lock(fd, path, wait):
+    """flock(LOCK_EX) on `fd`, waiting at most `wait` seconds; RunError naming the holder after that."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holders = ", ".join(f"pid {pid}" for pid in lock_holders(fd)) or "a process not seen here"
+                raise RunError(f"the run's lock {path} is still held after {wait:.0f} s, by {holders} "
+                               f"(another deploy, stop or restart of this run, or a stuck one: look at that "
+                               f"process before you end it). {NOTHING_DONE}") from None
+            time.sleep(LOCK_POLL_SECONDS)
+
+
 @contextmanager
-def pidfile_lock(pidfile, enabled):
+def pidfile_lock(pidfile, enabled, wait=900):
     """Serialises invocations that may change the pidfile; the lock file stays (removing it would
-    let two invocations lock two different files)."""
+    let two invocations lock two different files). Waits at most `wait` seconds for another invocation."""
     if not enabled:
         yield
         return
     os.makedirs(os.path.dirname(pidfile) or ".", mode=0o755, exist_ok=True)
     try:
-        lock_fd = open_file(pidfile + ".lock", os.O_RDWR | os.O_CREAT)
+        lock_fd = open_file(pidfile + ".lock", os.O_RDWR | os.O_CREAT, mode=LOCK_MODE)
     except UnsafePath as exc:
         raise RunError(refusal("lock file", exc.path, exc.reason, NOTHING_DONE)) from None
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if os.fstat(lock_fd).st_mode & 0o777 != LOCK_MODE:
+            os.fchmod(lock_fd, LOCK_MODE)  # one an earlier release made 0644; a holder's open stays open
+        take_lock(lock_fd, pidfile + ".lock", wait)
         yield
     finally:
         os.close(lock_fd)

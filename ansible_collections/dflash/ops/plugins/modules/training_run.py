@@ -226,7 +226,9 @@ options:
 notes:
   - The run gets stdin from C(/dev/null) and no other inherited descriptor, in its own session,
     so closing the connection (C(ssh), C(pct exec)) neither signals it nor waits for it.
-  - A lock file C(<pidfile>.lock) serialises concurrent invocations on the same pidfile.
+  - A lock file C(<pidfile>.lock), root's alone (0600), serialises concurrent invocations on the same
+    pidfile. An invocation waits for it at most as long as its own waits (O(stop_timeout), O(kill_timeout),
+    O(idle_timeout), O(startup_wait), O(wait_timeout)) and a minute, then fails naming the holder's pid.
   - O(async_results_file) reads the job file of Ansible's async wrapper as M(ansible.builtin.async_status)
     does, and removes it as its V(cleanup) mode does, once it has read the job's end.
 """
@@ -467,6 +469,9 @@ ARGUMENT_SPEC = dict(
 )
 # Seconds between the reads of nvidia-smi while the start waits for idle GPUs.
 IDLE_POLL_SECONDS = 0.5
+# The waits an invocation may spend under the pidfile's lock (a restart: the stop, SIGKILL, the GPUs' idle
+# wait, the start and its first step).
+LOCK_HELD_FOR = ("stop_timeout", "kill_timeout", "idle_timeout", "startup_wait", "wait_timeout")
 
 
 def do_stop(module, record, verdict, phases):
@@ -636,7 +641,10 @@ def main():
         if params["environment_file"] and params["state"] in ("started", "restarted"):
             env.update(read_environment_file(params["environment_file"], params["user"]))
         changes = params["state"] != "status" and not module.check_mode
-        with pidfile_lock(params["pidfile"], changes), run_job.Phases(params["pidfile"], changes) as phases:
+        # Another invocation holds the lock at most as long as its own waits: this one's, and a minute.
+        lock_wait = 60 + sum(params[key] or 0 for key in LOCK_HELD_FOR)
+        with pidfile_lock(params["pidfile"], changes, lock_wait), \
+                run_job.Phases(params["pidfile"], changes) as phases:
             result.update(apply_state(module, env, phases))
             if params["boot"] and params["state"] in ("started", "restarted") and (
                     result.get("status") == "running" or module.check_mode):
