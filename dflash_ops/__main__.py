@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{usage()}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    return getattr(module, "cli", module.main)(argv[1:])  # `cli`: a command that owns its process's signals
 
 
 if __name__ == "__main__":

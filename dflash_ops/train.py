@@ -3,7 +3,7 @@ torchrun) (`dflash_ops.run.main`)."""
 
 import sys
 
-from dflash_ops.run.main import main
+from dflash_ops.run.main import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -53,6 +53,9 @@ class TrainConfig:
     # The command line's SECTION.KEY=VALUE items laid over the file (`load_config`), as the start line
     # echoes them.
     overrides: tuple[str, ...] = field(default=(), compare=False)
+    # Not a key: the steps of an optim.epochs run resumed at another number of drafters, those that train
+    # what its epochs have left (dflash_ops.training.checkpoint.resumed_epoch_steps).
+    resumed_total_steps: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -73,6 +76,14 @@ class TrainConfig:
             raise ConfigError("data.eval_path", "needs a target rank to compute the held-out features, and a "
                               "pipeline fed by a feature cache has none: set it to null and measure "
                               "held-out tau on a checkpoint with python -m dflash_ops.evaluate")
+        if self.run.keep_best and not self.data.eval_path:
+            raise ConfigError("run.keep_best", "keeps the checkpoint of the best held-out tau, and there is "
+                              "none without data.eval_path: set one, or run.keep_best to false")
+        if self.pipeline.is_multi_process and self.optim.accumulate > 1:
+            # A pipeline's targets send each drafter one batch a step (dflash_ops.run.ranks).
+            raise ConfigError("optim.accumulate", "must be 1 in a pipeline of several processes (each "
+                              f"drafter takes one batch a step), got {self.optim.accumulate}: raise "
+                              "data.batch_size, or add drafters")
 
     @property
     def gamma(self) -> float:
@@ -100,16 +111,20 @@ class TrainConfig:
         the counted examples (`steps_for_epochs`)."""
         if self.optim.epochs is None:
             return self.optim.total_steps
+        if self.resumed_total_steps is not None:
+            return self.resumed_total_steps
         if self.examples is None:
             raise ConfigError("optim.epochs", "the steps follow from data.path's size, which was not counted "
                               "(load the config with its data, or pass it through counted())")
-        return steps_for_epochs(self.optim.epochs, self.examples, self.data.batch_size, self.drafters)
+        return steps_for_epochs(self.optim.epochs, self.examples, self.data.batch_size, self.drafters,
+                                self.optim.accumulate)
 
     @property
     def step_plan(self) -> dict:
-        """Where the step count comes from, as the run's start line logs it."""
+        """Where the step count comes from, as the run's start line logs it (optim.accumulate when over 1)."""
+        accumulate = {"accumulate": self.optim.accumulate} if self.optim.accumulate > 1 else {}
         return {"epochs": self.optim.epochs, "examples": self.examples, "batch_size": self.data.batch_size,
-                "drafters": self.drafters, "total_steps": self.total_steps}
+                "drafters": self.drafters, **accumulate, "total_steps": self.total_steps}
 
     def to_dict(self) -> dict:
         """The sections, as the YAML file holds them."""
@@ -363,12 +378,27 @@ def with_examples(cfg: TrainConfig, examples: int) -> TrainConfig:
     """`cfg` knowing that data.path holds `examples` training examples (those the loader keeps), when
     optim.epochs needs them; a count other than the one it was loaded with is refused (the file changed
     under the run)."""
+    check_batch_rows(cfg, examples)
     if cfg.optim.epochs is None:
         return cfg
     if cfg.examples is not None and cfg.examples != examples:
         raise ConfigError("data.path", f"{cfg.data.path} holds {examples} examples, {cfg.examples} when the "
                           "config was loaded and optim.epochs became steps: the file changed; start again")
     return dataclasses.replace(cfg, examples=examples)
+
+
+def check_batch_rows(cfg: TrainConfig, examples: int) -> None:
+    """Refuse a step's batch (data.batch_size x drafters x optim.accumulate rows) larger than the training
+    examples: the data order would put the same rows into one step more than once."""
+    rows = cfg.data.batch_size * cfg.drafters * cfg.optim.accumulate
+    if examples and rows > examples:
+        factors = [f"data.batch_size {cfg.data.batch_size}"]
+        factors += [f"{cfg.drafters} drafters"] if cfg.drafters > 1 else []
+        factors += [f"optim.accumulate {cfg.optim.accumulate}"] if cfg.optim.accumulate > 1 else []
+        largest = max(1, examples // (rows // cfg.data.batch_size))
+        raise ConfigError("data.batch_size", f"a step takes {rows} rows ({' x '.join(factors)}) but "
+                          f"{cfg.data.path} holds {examples} training examples: rows would repeat within a "
+                          f"step; set data.batch_size to at most {largest}, or add data")
 
 
 def counted(cfg: TrainConfig) -> TrainConfig:

@@ -19,6 +19,7 @@ DEVICES = ("cpu", "cuda")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # dflash_ops.model.drafter's, without importing torch
 FEATURE_CHECKS = ("checksums", "sizes")
 LOSS_WEIGHTINGS = ("decay", "dpace")  # optim.loss_weighting
+SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule (dflash_ops.training.trainer.lr_multiplier)
 ATTENTION_BACKENDS = ("auto", "flex", "tiles")  # model.attention_backend (dflash_ops.model.flex)
 DEFAULT_TOTAL_STEPS = 1000  # optim.total_steps when neither it nor optim.epochs is set
 
@@ -195,6 +196,12 @@ class OptimConfig(Section):
     # smoothing), as SpecForge defines them.
     loss_weighting: str = "decay"
     dpace_alpha: float = 0.5
+    # The learning rate after the linear warmup (warmup_ratio of the steps): cosine or linear decay to 0 at
+    # the last step, or constant at optim.lr.
+    schedule: str = "cosine"
+    # Micro-batches of data.batch_size rows per drafter per optimizer step (gradient accumulation): the step
+    # is the one of a batch of accumulate x batch_size rows, one token-weighted mean over all of them.
+    accumulate: int = 1
     _name = "optim"
 
     def __post_init__(self) -> None:
@@ -217,16 +224,19 @@ class OptimConfig(Section):
         self._require(self.loss_weighting in LOSS_WEIGHTINGS, "loss_weighting",
                       f"must be one of {', '.join(LOSS_WEIGHTINGS)}")
         self._require(0 <= self.dpace_alpha <= 1, "dpace_alpha", "must be in [0, 1]")
+        self._require(self.schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}")
+        self._require(self.accumulate >= 1, "accumulate", "must be >= 1 (micro-batches per optimizer step)")
 
 
-def steps_for_epochs(epochs: float, examples: int, batch_size: int, drafters: int) -> int:
-    """The optimizer steps of `epochs` passes over `examples`: a step takes one batch of `batch_size`
-    examples per drafter, and the data order runs on across epochs without a short batch
+def steps_for_epochs(epochs: float, examples: int, batch_size: int, drafters: int,
+                     accumulate: int = 1) -> int:
+    """The optimizer steps of `epochs` passes over `examples`: a step takes `accumulate` batches of
+    `batch_size` examples per drafter, and the data order runs on across epochs without a short batch
     (`dflash_ops.data.examples.BatchOrder`), so the run has seen epochs x examples once
-    ceil(epochs x examples / (batch_size x drafters)) steps are done. `epochs` counts as the decimal
-    it is written as (0.1 is a tenth, not the nearest binary fraction)."""
+    ceil(epochs x examples / (batch_size x drafters x accumulate)) steps are done. `epochs` counts as the
+    decimal it is written as (0.1 is a tenth, not the nearest binary fraction)."""
     wanted = Fraction(repr(float(epochs))) * examples
-    return max(1, math.ceil(wanted / (batch_size * drafters)))
+    return max(1, math.ceil(wanted / (batch_size * drafters * accumulate)))
 
 
 @dataclass
@@ -234,6 +244,9 @@ class RunConfig(Section):
     output_dir: str
     save_every: int = 100
     keep_checkpoints: int = 3
+    # Never prune the checkpoint of the best held-out tau (the one export --best takes), beside the latest
+    # keep_checkpoints; needs data.eval_path.
+    keep_best: bool = False
     log_every: int = 1
     eval_every: int = 100  # steps between held-out evaluations (when data.eval_path is set)
     seed: int = 0

@@ -1,10 +1,11 @@
-"""`python -m dflash_ops.data COMMAND ...`: the data commands (`regenerate`, `pack`)."""
+"""`python -m dflash_ops.data COMMAND ...`: the data commands (`regenerate`, `tokenize`, `pack`)."""
 
 from __future__ import annotations
 
 import sys
 
 COMMANDS = {"regenerate": "answer a prompt set with the target: the training JSON lines (see --help)",
+            "tokenize": "a chat dataset's own answers as the training JSON lines (see --help)",
             "pack": "write the training JSON lines' token store, which ranks read in place (see --help)"}
 
 
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_ops.data.pack import main as pack_main
 
         return pack_main(argv[1:])
+    if argv[0] == "tokenize":
+        from dflash_ops.data.dataset_answers import main as tokenize_main
+
+        return tokenize_main(argv[1:])
     from dflash_ops.data.regenerate import main as regenerate_main
 
     return regenerate_main(argv[1:])

@@ -100,11 +100,16 @@ def training_examples(data, vocab_size: int | None = None) -> Sequence[Example]:
 class BatchOrder:
     """Which examples form each batch: a fresh seeded permutation per epoch, read in order.
 
-    The state is (epoch, cursor), so a resumed run continues with exactly the next batch."""
+    The state is (epoch, cursor) and `batches`, the batches taken since the run began (batch i of the
+    seeded order is the i-th taken, whatever the number of workers that took them): a resumed run
+    continues with exactly the next batch, and a pipeline numbers it `batches` (dflash_ops.run.pipeline).
+    A checkpoint from before `batches` was recorded leaves it None: the resume numbers batches as it
+    did then (step x drafters)."""
 
     def __init__(self, num_examples: int, batch_size: int, seed: int):
         self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
         self.epoch, self.cursor = 0, 0
+        self.batches: int | None = 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -120,16 +125,20 @@ class BatchOrder:
             take = min(self.batch_size - len(indices), self.num_examples - self.cursor)
             indices += self._order[self.cursor: self.cursor + take]
             self.cursor += take
+        if self.batches is not None:
+            self.batches += 1
         return indices
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "num_examples": self.num_examples}
+        return {"epoch": self.epoch, "cursor": self.cursor, "num_examples": self.num_examples,
+                "batches": self.batches}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_examples"] != self.num_examples:
             raise DataError(f"the checkpoint was written for {state['num_examples']} examples, the data "
                             f"now has {self.num_examples} (data.path's, less any data.min_loss_tokens drops)")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.batches = state.get("batches")
         self._order = self._permutation(self.epoch)
 
 

@@ -8,7 +8,8 @@ provenance rules every engine shares, and the transformers path (`--engine hf`) 
 Each prompt line is a chat, `{"messages": [{"role", "content"}, ...]}` or the bare list, or ShareGPT's or
 SpecForge's `{"conversations": [...]}`; parquet and Arrow prompt sets too (`dflash_ops.data.chat_formats`,
 which refuses anything else naming the formats); a trailing assistant message is dropped (its answer is
-what is regenerated).
+what is regenerated). `--turns all` answers (and scores) every assistant turn of a chat in order, in
+process (`dflash_ops.data.regenerate_turns`); `--turns last`, the default, the chat's end alone.
 The chat goes through the target tokenizer's chat template with the generation prompt, the target
 answers in batches (left-padded; greedy, or sampled with `--temperature`/`--top-p`), and each row
 of the output is `{"id": <prompt line index>, "input_ids": chat + response, "loss_mask": 0 on the
@@ -32,8 +33,8 @@ With `--device cuda` each visible GPU runs one replica of the target on every n-
 (`--replicas`, default 1) the same.
 
 Rows of two settings never mix either: a call that would resume from rows made with another target,
-prompt file, --max-new-tokens, --temperature, --top-p, --seed, --max-length or --dtype is refused, naming
-each difference, so the manifest always names the settings its rows were made with.
+prompt file, --max-new-tokens, --temperature, --top-p, --seed, --max-length, --dtype or --turns is refused,
+naming each difference, so the manifest always names the settings its rows were made with.
 
 Rows of two thinking modes never mix. A call records its mode in `<out>.parts.json` before it
 generates anything and removes that record last, after the manifest, once no part is left; so the
@@ -70,54 +71,20 @@ from dflash_ops.data.chat_prompts import (  # noqa: F401 (PromptError, read_rows
 )
 from dflash_ops.data.data_manifest import FORMAT, manifest_path, mode_name, read_record
 from dflash_ops.data.feature_cache import write_json
+from dflash_ops.data.generation import (  # noqa: F401 (DEFAULT_MAX_LENGTH, template_takes_thinking: API too)
+    DEFAULT_MAX_LENGTH,
+    ThinkingModeError,
+    end_of_text_ids,
+    generate_batch,
+    template_takes_thinking,
+    thinking_mode,
+)
 from dflash_ops.data.row_merge import merge_rows
 from dflash_ops.data.target import DTYPES, load_target
-
-# The prompt + answer bound without --max-length or --config: the paper's recipe's (docs/SCALE.md).
-DEFAULT_MAX_LENGTH = 3072
-
-
-class ThinkingModeError(ValueError):
-    """The thinking mode asked for cannot be given to the template, or is not the one of the rows
-    the call would resume from."""
 
 
 class ProvenanceError(ValueError):
     """The rows the call would resume from were made with other settings than the call's."""
-
-
-def end_of_text_ids(model, tokenizer) -> tuple[list[int], int]:
-    """(the ids that end an answer: the target's generation config's, every one of a list, as vLLM stops at
-    each, else the tokenizer's end of text; the id that pads a batch: the tokenizer's, else the first end)."""
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos = tokenizer.eos_token_id if eos is None else eos
-    ends = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
-    return ends, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends[0] if ends else 0)
-
-
-def generate_batch(model, prompts: list[list[int]], settings: GenerationSettings, eos_ids: list[int],
-                   pad_id: int) -> list[list[int]]:
-    """The target's response to each prompt (token ids), generated together, left-padded; each ends with
-    its first id of `eos_ids` (kept) or after settings.max_new_tokens."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention[row, width - len(prompt):] = 1
-    device = model.get_input_embeddings().weight.device
-    # top_k 0: no top-k cut (generate's default is 50), as vLLM samples: temperature and top-p alone.
-    sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0} \
-        if settings.temperature > 0 else {"do_sample": False}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             max_new_tokens=settings.max_new_tokens, eos_token_id=eos_ids or None,
-                             pad_token_id=pad_id, **sampling)
-    responses = []
-    for row in out[:, width:].tolist():
-        ends = [at for at, token in enumerate(row) if token in eos_ids]
-        responses.append(row[: ends[0] + 1] if ends else row)
-    return responses
 
 
 def parts_record_path(out: str | Path) -> Path:
@@ -126,25 +93,8 @@ def parts_record_path(out: str | Path) -> Path:
     return out.with_name(f"{out.name}.parts.json")
 
 
-def template_takes_thinking(template: str | dict) -> bool:
-    """Whether a chat template reads `enable_thinking`: a Jinja template reads its keyword arguments
-    by name, so its text names the ones it takes (a dict holds several named templates)."""
-    texts = template.values() if isinstance(template, dict) else [template]
-    return any("enable_thinking" in text for text in texts)
-
-
-def thinking_mode(target_path: str, enable_thinking: bool) -> tuple[bool | None, bool]:
-    """(the mode the template is given: None when it takes none, whether it takes one)."""
-    takes = template_takes_thinking(load_tokenizer(target_path).chat_template)
-    if enable_thinking and not takes:
-        raise ThinkingModeError(f"--enable-thinking true: the chat template of {target_path} has no "
-                                "enable_thinking toggle, so its thinking mode cannot be chosen; leave it "
-                                "false (the mode recorded is then null)")
-    return (enable_thinking if takes else None), takes
-
-
 # The settings a row's answer depends on, beside the thinking mode: a resume under others is refused.
-ANSWER_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "max_length", "dtype")
+ANSWER_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "max_length", "dtype", "turns")
 
 
 def provenance_changes(rows: dict, call: dict) -> dict[str, tuple]:
@@ -192,11 +142,19 @@ def check_resume(out: Path, call: dict) -> None:
 
 def run_replica(replica: int, replicas: int, target_path: str, prompts_path: str, out: str, device: str,
                 dtype: str, settings: GenerationSettings, max_length: int, progress: bool,
-                mode: bool | None = None, progress_every: int = 0, stop: StopSignal | None = None) -> dict:
+                mode: bool | None = None, progress_every: int = 0, turns: str = "last",
+                stop: StopSignal | None = None) -> dict:
     """Answer the prompts `replica::replicas` that have no row yet, the template given `mode` as its
     enable_thinking (None: nothing); a `progress` line on stdout each time `progress_every` more rows are
-    written (0: none); stop between two batches once `stop` is requested. Returns counts."""
+    written (0: none); stop between two batches once `stop` is requested. Returns counts. `turns` all:
+    every assistant turn of each chat (`dflash_ops.data.regenerate_turns`)."""
     from tqdm import tqdm
+
+    if turns == "all":
+        from dflash_ops.data.regenerate_turns import run_all_turns
+
+        return run_all_turns(replica, replicas, target_path, prompts_path, out, device, dtype, settings,
+                             max_length, mode, stop, load_model=load_target)
 
     out_path = Path(out)
     tokenizer = load_tokenizer(target_path)
@@ -264,12 +222,13 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
                replicas: int = 1, dtype: str = "float32", max_length: int | None = None,
                progress: bool = False, enable_thinking: bool = False, progress_every: int = 0,
                stop: StopSignal | None = None, engine: str = "hf", engine_python: str | None = None,
-               tensor_parallel: int = 1) -> dict:
+               tensor_parallel: int = 1, turns: str = "last") -> dict:
     """Regenerate the responses of `prompts` with `replicas` target replicas, in the thinking mode
     `enable_thinking` where the chat template takes one; returns a summary. Once `stop` is requested the
     replicas stop (between two batches in process): their rows stay in the parts for the next call, nothing
     is merged and the summary says `stopped`. `engine` vllm runs in processes of `engine_python` (vLLM's
-    venv); hf runs in this process, or in processes of `engine_python` where it is given."""
+    venv); hf runs in this process, or in processes of `engine_python` where it is given. `turns` last
+    answers each chat's end; all, every assistant turn in order (in process only)."""
     started = time.monotonic()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     # Bad prompts, a mode the template cannot take or another mode than the rows there fail here,
@@ -285,18 +244,23 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
         raise ValueError(f"--max-length {max_length} is over the target's max_position_embeddings "
                          f"({positions}): "
                          f"its positions beyond were never trained; give --max-length {positions} or less")
+    if turns not in ("last", "all"):
+        raise ValueError(f"--turns: expected last or all, got {turns!r}")
+    if turns == "all" and engine_python:
+        raise ValueError(f"--turns all answers each turn after the one before it, in this process: give "
+                         f"--engine hf (without --engine-python), or --turns last for the {engine} engine")
     read_chats(prompts)
     mode, takes = thinking_mode(target, enable_thinking)
     record = {"format": FORMAT, "target": str(target), "prompts": str(prompts), "enable_thinking": mode,
               "template_takes_thinking": takes,
               "generation": {**dataclasses.asdict(settings), "max_length": max_length, "dtype": dtype,
-                             "engine": engine}}
+                             "engine": engine, "turns": turns}}
     check_resume(Path(out), record)
     if engine == "vllm" and not engine_python:
         raise ValueError("the vllm engine needs the python of vLLM's venv (engine_python)")
     write_json(parts_record_path(out), record)
     args = (replicas, target, prompts, out, device, dtype, settings, max_length, progress, mode,
-            progress_every)
+            progress_every, turns)
     if engine_python:
         from dflash_ops.data.regenerate_engine import run_on_engines
 
@@ -312,7 +276,7 @@ def regenerate(target: str, prompts: str, out: str, settings: GenerationSettings
         context = mp.get_context("spawn")
         for replica in range(replicas):
             replica_args = (replicas, target, prompts, out, devices[replica], dtype, settings, max_length,
-                            progress, mode, progress_every)
+                            progress, mode, progress_every, turns)
             process = context.Process(target=_replica_entry, args=(replica, *replica_args))
             process.start()
             processes.append(process)
@@ -373,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vllm on cuda: GPUs per engine, for a target that needs more than one "
                              "(default 1: one engine per GPU, each on its share of the prompts)")
+    parser.add_argument("--turns", choices=("last", "all"), default="last",
+                        help="last (default): the target answers each chat's end, the chat's earlier "
+                             "assistant messages kept as they are and not scored; all: every assistant turn "
+                             "is answered in order (each turn's prompt holds the target's earlier answers) "
+                             "and scored, as SpecForge scores multi-turn chats (--engine hf only)")
     parser.add_argument("--config", metavar="RUN.yaml",
                         help="the run's config: its data.max_length is the default --max-length")
     parser.add_argument("--max-length", type=int,
@@ -434,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                              max_length, progress=sys.stderr.isatty(),
                              enable_thinking=args.enable_thinking == "true",
                              progress_every=max(0, args.progress_every), stop=stop, engine=engine,
-                             engine_python=python, tensor_parallel=tensor_parallel)
+                             engine_python=python, tensor_parallel=tensor_parallel, turns=args.turns)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         state(state="failed", error=str(err).splitlines()[0])

@@ -7,9 +7,11 @@ drafter live here and take turns each step (the drafter side is dflash_ops.train
 `DrafterRun`, fed by `TargetFeatures`). SIGTERM (or SIGINT) lets the current step finish, then the run saves a
 checkpoint, logs a `stop` event (status.json: `stopped`) and exits 0: the stop takes at most one
 step plus one checkpoint save (a `run.step_delay` pause is cut short), which is what a stop timeout
-must allow for. Exit codes: 0 done or stopped, 1 crashed or its final checkpoint could not be written
-(a `checkpoint_lost` line, status.json `failed`: the steps since the last checkpoint are in none), 2 bad
-input.
+must allow for. Run as the process's command (`cli`), a stop at any other moment exits 0 too: before the
+run (while the config loads) nothing starts; in its last seconds (the final save, the exit) the run's
+checkpoint is written and the stop changes nothing. Exit codes: 0 done or stopped, 1 crashed or its
+final checkpoint could not be written (a `checkpoint_lost` line, status.json `failed`: the steps since the
+last checkpoint are in none), 2 bad input.
 """
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ class TargetFeatures:
         pass
 
 
-def run_single_process(cfg: TrainConfig) -> int:
-    """Run the whole training in this process; return the exit code."""
+def run_single_process(cfg: TrainConfig, stop: StopSignal | None = None) -> int:
+    """Run the whole training in this process; return the exit code. `stop`: the process's own (`cli`), whose
+    handler then outlives the run; else one installed for the run's time."""
     torch.set_num_threads(cfg.pipeline.threads_per_worker)
     log = StatusLog(0, RunStatus(cfg.run.output_dir, process_worker=WORKER))  # DrafterRun sets the steps
-    stop = StopSignal().install()
+    stop = (stop or StopSignal()).install()
 
     def train() -> None:
         device = resolve_device(cfg.pipeline.device)
@@ -115,7 +118,8 @@ exit codes: 0 done or stopped (SIGTERM: checkpoint, then exit), 1 crashed or the
 not be written (a full disk: the steps since the last checkpoint are lost), 2 bad input."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopSignal | None = None) -> int:
+    """The command; `stop`, when given, is the process's stop signal (`cli`)."""
     parser = argparse.ArgumentParser(prog="python -m dflash_ops.train",
                                      description="Train a DFlash drafter for a frozen target model.",
                                      epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,12 +177,24 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
         raise
     with lock:
+        if stop is not None and stop.requested:  # before anything was trained: nothing to save
+            print(f"dflash_ops.train: {stop.signal_name} before the run began: nothing started",
+                  file=sys.stderr)
+            return EXIT_OK
         if cfg.pipeline.is_multi_process:
             from dflash_ops.run.launcher import launch
 
             return launch(cfg, config_path, lock.fd)
-        return run_single_process(cfg)
+        return run_single_process(cfg, stop)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`main` as the process's command: SIGTERM and SIGINT are the run's stop request from the process's
+    start to its exit. A stop while the config loads is a stop before the run (exit 0, nothing started);
+    one in the run's last seconds (its final save, the lock's release, the interpreter's exit) finds the
+    run's checkpoint written and changes nothing (exit 0), where the default action would end it 143."""
+    return main(argv, StopSignal().install())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

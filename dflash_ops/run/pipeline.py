@@ -8,9 +8,11 @@ travel as `dflash_ops.run.transport` sends them. When torchrun restarts the grou
 every worker resumes from the latest checkpoint.
 
 Batch schedule. Batches are numbered i = 0, 1, 2... in the data order of a single-process run
-(`BatchOrder`, resumed from the checkpoint's data position). Target rank j computes the batches
-with i % T == j; batch i goes to drafter rank i % D, which trains on one batch per optimizer step
-(D drafters: step s uses batches s*D .. s*D + D - 1, one per drafter, gradients averaged by DDP).
+(`BatchOrder`, resumed from the checkpoint's data position: its count of the batches taken, so that
+a resume with other numbers of drafters or targets starts at the next untrained batch, `batch_span`).
+Target rank j computes the batches with i % T == j; batch i goes to drafter rank i % D, which trains
+on one batch per optimizer step (D drafters: a step uses the next D batches, one per drafter,
+gradients averaged by DDP; without a resume at another D, step s uses batches s*D .. s*D + D - 1).
 With one drafter the losses are those of the single-process trainer, bit for bit: same batches,
 same target features, same initialisation and anchor RNG. With D > 1 each drafter's loss is the
 weighted mean over its own batch and DDP averages the D gradients (a mean of per-rank means, not
@@ -239,17 +241,18 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: 
     log = WorkerLog(cfg.total_steps, ctx.name, ctx.member_leader)
     # A drafter holds only the target's head (embedding, lm_head, config), read from its weights.
     run = DrafterRun(cfg, log, load_target_head(cfg.model.target_path, cfg.model.dtype, device), drafters)
-    cfg = run.cfg  # its steps checked against the examples it loaded
     run.resume()
+    cfg = run.cfg  # its steps checked against the examples it loaded (and the checkpoint it resumed)
     first_step = run.trainer.step
-    position = torch.tensor([first_step, run.order.epoch, run.order.cursor], dtype=torch.int64, device=device)
+    first, end = batch_span(cfg, run.order, first_step, schedule.num_drafters)
+    position = torch.tensor([first_step, run.order.epoch, run.order.cursor, first, end], dtype=torch.int64,
+                            device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
     if ctx.role_rank == 0 and cfg.data.eval_path is not None:
         # Drafter 0 evaluates held-out data, whose target features target rank 0 computes on its own
         # device and sends like batches, once: no drafter ever loads the target.
         run.build_heldout(documents=receive_heldout(schedule.target_ranks[0], device, startup))
     n = schedule.num_drafters
-    first, end = first_step * n, run_end_step(cfg, first_step) * n
     feed = (cache_feed(cfg, run.order, first, end, ctx.role_rank, n) if cfg.data.features_path
             else BatchFeed(schedule, ctx.role_rank, first, end, cfg.pipeline.queue_depth, device))
     try:
@@ -268,6 +271,17 @@ def run_drafter(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: 
 def drafter_group(ctx: WorkerContext):
     """The drafters' own process group (DDP and the stop vote); every rank must create it."""
     return dist.new_group(ranks=list(ctx.schedule.drafter_ranks))
+
+
+def batch_span(cfg: TrainConfig, order: BatchOrder, first_step: int, drafters: int) -> tuple[int, int]:
+    """The batches [first, end) this start of the pipeline trains, by index in the run's seeded data
+    order: from the next untrained one, the checkpoint's count of the batches taken (`BatchOrder.batches`),
+    whatever the number of drafters (or targets) that took them, for as many as its steps take (each
+    step one batch per drafter and accumulated micro-batch; `DrafterRun.resume` numbers a checkpoint's
+    from before that count as it always was, first_step x drafters)."""
+    per_step = drafters * cfg.optim.accumulate
+    first = order.batches
+    return first, first + (run_end_step(cfg, first_step) - first_step) * per_step
 
 
 def run_end_step(cfg: TrainConfig, first_step: int) -> int:
@@ -289,13 +303,12 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
     examples = training_examples(cfg.data, target.config.vocab_size)
     cfg = with_examples(cfg, len(examples))  # the drafters' steps, from the same count
     order = BatchOrder(len(examples), cfg.data.batch_size, cfg.run.seed)
-    position = torch.zeros(3, dtype=torch.int64, device=device)
+    position = torch.zeros(5, dtype=torch.int64, device=device)
     dist.broadcast(position, src=schedule.drafter_ranks[0], group=startup)
     if ctx.role_rank == 0 and cfg.data.eval_path is not None:  # drafter 0's held-out features
         send_heldout(cfg, target, layer_ids, schedule.drafter_ranks[0], device, startup, log)
-    first_step, epoch, cursor = position.tolist()
-    order.load_state_dict({"epoch": epoch, "cursor": cursor, "num_examples": len(examples)})
-    first, end = first_step * schedule.num_drafters, run_end_step(cfg, first_step) * schedule.num_drafters
+    _, epoch, cursor, first, end = position.tolist()  # the drafters' `batch_span`
+    order.load_state_dict({"epoch": epoch, "cursor": cursor, "num_examples": len(examples), "batches": first})
     mine = schedule.target_batches(ctx.rank, first, end)
     log.emit("start", pid=os.getpid(), batches=len(mine), first_batch=first, device=str(device))
     reason = "completed"

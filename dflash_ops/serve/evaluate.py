@@ -28,6 +28,10 @@ equals its own greedy choices, and adds its own next token. The output is theref
 target's greedy decoding whatever the drafter proposes; only the number of steps changes.
 For clarity the target recomputes the whole sequence at each step (no KV cache): the acceptance
 figures do not depend on it.
+
+What it measured is said with the figures: the checkpoint (a run's output directory: its latest at the
+start) and its step, the data file and the number of prompts, on a line above the table, or as
+`checkpoint`, `step`, `data`, `prompts` in the `--json` object.
 """
 
 from __future__ import annotations
@@ -206,6 +210,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
     """The figures of each row (trained drafter if a checkpoint or an export is given, untrained drafter,
     target)."""
     if checkpoint is not None:
+        # A run's output directory: its latest checkpoint now, the one measured and reported.
+        checkpoint = checkpoint if is_export(checkpoint) else find_checkpoint(checkpoint)
         check_target_of(cfg, checkpoint)
     target = load_target(cfg.model.target_path, cfg.model.dtype)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
@@ -235,7 +241,29 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
         if progress:
             print(file=sys.stderr)
         rows.append(stats.as_dict())
-    return {"block_size": block_size, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows}
+    return {**drafter_source(checkpoint), "data": str(data_path), "block_size": block_size,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows}
+
+
+def drafter_source(checkpoint: str | Path | None) -> dict:
+    """What the trained drafter row measured: `{"checkpoint": the step directory or the export, "step":
+    its step}` (an export's from its `dflash_source`, null when it does not record one)."""
+    if checkpoint is None:
+        return {"checkpoint": None, "step": None}
+    if is_export(checkpoint):
+        source = json.loads((Path(checkpoint) / "config.json").read_text()).get("dflash_source") or {}
+        return {"checkpoint": str(checkpoint), "step": source.get("step")}
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    return {"checkpoint": str(checkpoint), "step": meta.get("step")}
+
+
+def describe_inputs(result: dict) -> str:
+    """One line above the table: the drafter's checkpoint and step, the data file and the prompts used."""
+    step = "unrecorded" if result["step"] is None else result["step"]
+    drafter = ("no trained drafter" if result["checkpoint"] is None else
+               f"checkpoint {result['checkpoint']} (step {step})")
+    return (f"{drafter}; data {result['data']}: {result['prompts']} prompts, up to "
+            f"{result['max_new_tokens']} new tokens each")
 
 
 def format_table(rows: list[dict], block_size: int) -> str:
@@ -292,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        print(describe_inputs(result))
         print(format_table(result["rows"], result["block_size"]))
     return 0
 

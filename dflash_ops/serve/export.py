@@ -35,9 +35,10 @@ The report names the step it exports (`step`); from a run's output directory, wh
 past that step (its status.json or metrics.jsonl: a final save that failed), a `warning` on stderr says
 so and the report adds `trained_step`.
 `--into DIR` writes to `DIR/<checkpoint name>` (`step-00000100`) and keeps an export already there
-that its SHA256SUMS still matches (same dtype); `--step N` picks that step of a run's output
-directory, `--plan` says what it would write, and writes nothing. `load_export(dir, target)`
-rebuilds a `DFlashDrafter` from such a directory.
+that its SHA256SUMS still matches (same dtype), and refuses one of another run (config.json's
+`dflash_source`: the run's output directory and step, that every export records); `--step N`
+picks that step of a run's output directory, `--plan` says what it would write, and writes nothing.
+`load_export(dir, target)` rebuilds a `DFlashDrafter` from such a directory.
 """
 
 from __future__ import annotations
@@ -327,6 +328,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     # and the thinking mode of its data (data.enable_thinking; null: a checkpoint that did not record it),
     # the mode to serve it in, with whether a data manifest confirmed it (null: a checkpoint from before).
     config["dflash_target"] = target_identity(meta["target_path"], target_config_path)
+    # Where it comes from (the run's output directory and the step), so that `--into` never takes another
+    # run's export of the same step for this one's.
+    config["dflash_source"] = {"run": str(run_of(checkpoint)), "step": meta.get("step")}
     config["dflash_training"] = {**(meta.get("loss_weighting") or {"loss_weighting": "decay"}),
                                  "enable_thinking": meta.get("enable_thinking"),
                                  "enable_thinking_confirmed": meta.get("enable_thinking_confirmed")}
@@ -425,6 +429,25 @@ def unsaved_steps_warning(run_dir: str | Path, step: int) -> tuple[int, str] | N
                      "come; its status.json's checkpoint_error says why a save failed)")
 
 
+def run_of(checkpoint: str | Path) -> Path:
+    """The output directory of the run a checkpoint (<run>/checkpoints/step-N) belongs to."""
+    return Path(checkpoint).resolve().parent.parent
+
+
+def check_not_foreign(out_dir: Path, source: Path, into: str | Path) -> None:
+    """Refuse `--into` where `out_dir` holds the export of another run than `source`'s (its config.json's
+    `dflash_source`; an export that does not say is not refused), before it is kept or written over."""
+    try:
+        origin = json.loads((out_dir / "config.json").read_text()).get("dflash_source") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    run = origin.get("run")
+    if run and Path(run) != run_of(source):
+        raise ValueError(f"--into {into}: {out_dir} holds the export of another run ({run}, step "
+                         f"{origin.get('step')}), not of {run_of(source)}; nothing was written: export into "
+                         "another directory (one per run), or remove that one")
+
+
 def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None, into: str | Path | None,
                dtype: str, plan: bool) -> dict:
     """What main prints: the checkpoint picked, where its export goes, and its files' checksums. With
@@ -435,9 +458,12 @@ def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None,
     sums = export_checksums(kept, dtype) if kept is not None else None
     if sums is not None:
         source, out_dir = Path(checkpoint) / CHECKPOINT_DIR / checkpoint_name(step), kept
+        check_not_foreign(out_dir, source, into)
     else:
         source = find_checkpoint(checkpoint, step)
         out_dir = Path(out) if out is not None else Path(into) / source.name
+        if into is not None:
+            check_not_foreign(out_dir, source, into)
         try:
             step = json.loads((source / "meta.json").read_text())["step"]
             sums = export_checksums(out_dir, dtype) if into is not None else None

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import shutil
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -195,10 +197,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
-                    trainer_state: dict, config_yaml: str, meta: dict, keep: int) -> Path:
+                    trainer_state: dict, config_yaml: str, meta: dict, keep: int,
+                    spare: int | None = None) -> Path:
     """Write checkpoint `step` atomically, then delete all but the latest `keep` of the checkpoints up to
-    `step` (never one of a later step); return its path. A save that fails (OSError: a full disk) removes
-    what it wrote and raises; the earlier checkpoints stay."""
+    `step` (never one of a later step, nor that of step `spare`: run.keep_best's); return its path. A save
+    that fails (OSError: a full disk) removes what it wrote and raises; the earlier checkpoints stay."""
     root = ensure_dir(Path(output_dir) / CHECKPOINT_DIR)
     tmp = root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}"
     try:
@@ -214,7 +217,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     # Only this run's lineage is pruned: the checkpoints of this step and earlier ones. A checkpoint of a
     # later step is not this run's (another run's, newer than this one's start): it is never deleted.
     lineage = [p for p in list_checkpoints(output_dir) if step_of(p) <= step]
-    for stale in lineage[:-keep]:
+    for stale in [p for p in lineage[:-keep] if step_of(p) != spare]:
         doomed = root / f"{_TMP_PREFIX}pruned-{stale.name}-{os.getpid()}"
         stale.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -305,18 +308,39 @@ def check_loss_weighting(configured: dict, meta: dict) -> None:
                               "from scratch in another run.output_dir")
 
 
-def check_step_plan(cfg, meta: dict) -> None:
-    """Refuse to resume a run of `optim.epochs` (`cfg`, a TrainConfig) whose steps now come out other than
-    the checkpoint's run's: another data size or drafter count would move the end of the run and jump the
-    cosine schedule mid-run (a resume rebuilds the schedule over the step count it derives now).
-    optim.total_steps set to the checkpoint's resumes it on purpose. A run of optim.total_steps resumes as
-    it always has (the count is the config's)."""
+def examples_taken(meta: dict) -> int:
+    """The examples the checkpoint's run has taken from its data order (epochs x examples + cursor):
+    its `data_position`, or for a checkpoint from before that field, step x drafters x accumulate x
+    batch_size of its step plan (the order makes no short batch, so that is exact)."""
+    position = meta.get("data_position")
+    if position is not None:
+        return position["epoch"] * position["num_examples"] + position["cursor"]
+    plan = meta["step_plan"]
+    return meta["step"] * plan["drafters"] * plan.get("accumulate", 1) * plan["batch_size"]
+
+
+def epoch_steps_left(cfg, taken: int) -> int:
+    """The steps of `cfg`'s layout (data.batch_size x drafters x optim.accumulate rows each) that train
+    what its optim.epochs have left once `taken` examples of the data order are trained."""
+    left = Fraction(repr(float(cfg.optim.epochs))) * cfg.examples - taken
+    return max(0, math.ceil(left / (cfg.data.batch_size * cfg.drafters * cfg.optim.accumulate)))
+
+
+def check_step_plan(cfg, meta: dict) -> int | None:
+    """The steps a resumed run of `optim.epochs` (`cfg`, a TrainConfig) takes in all, None for a run of
+    optim.total_steps (its count is the config's). Elastic: under another number of drafters (or targets,
+    or optim.accumulate) the run goes on to the end of its epochs, the checkpoint's step plus the steps
+    that train what they have left (`epoch_steps_left`; the same count as before when nothing changed),
+    and the schedule is rebuilt over that count. Other epochs, examples or batch size would move the end
+    of the run's data and jump the schedule mid-run: refused, naming the optim.total_steps that trains
+    what the epochs have left when the data is the same."""
     trained = meta.get("step_plan")
     if cfg.optim.epochs is None or trained is None:
-        return
+        return None
     now = cfg.step_plan
-    if now["total_steps"] == trained["total_steps"]:
-        return
+    taken = examples_taken(meta)
+    if all(now[key] == trained.get(key) for key in ("epochs", "examples", "batch_size")):
+        return meta["step"] + epoch_steps_left(cfg, taken)
 
     def plan(p: dict) -> str:
         epochs = "optim.total_steps" if p.get("epochs") is None else f"{p['epochs']} epochs"
@@ -324,9 +348,17 @@ def check_step_plan(cfg, meta: dict) -> None:
         return (f"{p['total_steps']} steps ({epochs}{examples}, batch {p['batch_size']} x "
                 f"{p['drafters']} drafters)")
 
-    raise ConfigError("optim.epochs", f"derives {plan(now)}, the checkpoint's run was {plan(trained)}: "
-                      "the schedule would change mid-run; set optim.total_steps to "
-                      f"{trained['total_steps']} (and optim.epochs to null) to resume it, or train from "
+    said = f"derives {plan(now)}, the checkpoint's run was {plan(trained)}: the schedule would change mid-run"
+    if now["examples"] != trained.get("examples"):
+        raise ConfigError("optim.epochs", f"{said}, and its data order goes on over the "
+                          f"{trained.get('examples')} examples it was trained on only; set data.path (and "
+                          "data.min_loss_tokens) back to resume it, or train from scratch in another "
+                          "run.output_dir")
+    total = meta["step"] + epoch_steps_left(cfg, taken)
+    raise ConfigError("optim.epochs", f"{said}; set optim.epochs and data.batch_size back to resume it "
+                      "(other numbers of drafters or targets resume as they are), or set optim.total_steps "
+                      f"to {total} (and optim.epochs to null): that trains what {cfg.optim.epochs} epochs "
+                      f"have left after the {taken} examples trained, at this config's batch; or train from "
                       "scratch in another run.output_dir")
 
 

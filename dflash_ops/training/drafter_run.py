@@ -34,6 +34,7 @@ from dflash_ops.core.runtime import EventLog
 from dflash_ops.data.data_manifest import check_thinking_mode
 from dflash_ops.data.examples import BatchOrder, load_examples, training_examples
 from dflash_ops.data.target import TargetHead
+from dflash_ops.training.best_checkpoint import best_step_to_keep
 from dflash_ops.training.checkpoint import (
     check_loss_weighting,
     check_step_plan,
@@ -118,6 +119,7 @@ class DrafterRun:
                                       warn=lambda message: self.log.emit("warning", message=message))
         self.vocab_size = head.config.vocab_size
         self.heldout = None
+        self.heldout_taus: dict[int, float] = {}  # this process's, by step (run.keep_best)
         # Whether a data manifest confirmed data.enable_thinking (the checkpoints' meta says so).
         self.thinking_confirmed = check_thinking_mode(cfg)
 
@@ -145,10 +147,21 @@ class DrafterRun:
         model_state, state, meta = load_checkpoint(checkpoint)
         fit_to_checkpoint(self.trainer.drafter.cfg, meta, self.cfg.model.mask_token_id)
         check_loss_weighting(self.cfg.loss_weighting, meta)
-        check_step_plan(self.cfg, meta)
+        total = check_step_plan(self.cfg, meta)  # an optim.epochs run: to the end of its epochs
+        if total is not None and total != self.cfg.total_steps:  # another layout: elastic (docs/CONTRACTS.md)
+            then = meta["step_plan"]
+            self.log.emit("warning", message=f"resumed at step {meta['step']} with {self.cfg.drafters} "
+                          f"drafters x optim.accumulate {self.cfg.optim.accumulate}, the checkpoint's run "
+                          f"had {then['drafters']} x {then.get('accumulate', 1)}: the run trains what its "
+                          f"{self.cfg.optim.epochs} epochs have left, to step {total} (not "
+                          f"{self.cfg.total_steps}), the schedule rebuilt over those steps")
+            self.cfg = self.trainer.cfg = dataclasses.replace(self.cfg, resumed_total_steps=total)
+            self.log.total_steps = total
         self.trainer.drafter.load_trainable_state_dict(model_state)
         self.trainer.load_state_dict(state["trainer"])
         self.order.load_state_dict(state["data"])
+        if self.order.batches is None:  # saved before the count was: numbered as then (step x drafters)
+            self.order.batches = self.trainer.step * self.cfg.drafters * self.cfg.optim.accumulate
         ranks = state["rng"]
         if isinstance(ranks, dict):  # written before the random state was kept per rank
             ranks = [{**ranks, "anchor": state["trainer"]["anchor_rng"]}]
@@ -176,11 +189,14 @@ class DrafterRun:
                     "target_path": self.cfg.model.target_path, "dtype": self.cfg.model.dtype,
                     "loss_weighting": self.cfg.loss_weighting, "step_plan": self.cfg.step_plan,
                     "enable_thinking": self.cfg.data.enable_thinking,
-                    "enable_thinking_confirmed": self.thinking_confirmed}
+                    "enable_thinking_confirmed": self.thinking_confirmed,
+                    "data_position": self.order.state_dict()}  # the batches taken: elastic resume's
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
             try:
+                spare = (best_step_to_keep(self.output_dir, step, self.heldout_taus)
+                         if self.cfg.run.keep_best else None)
                 path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
-                                       dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints)
+                                       dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints, spare)
             except OSError as exc:  # a full disk: the run goes on, and says so
                 last = latest_checkpoint(self.output_dir)
                 self.log.emit("checkpoint_failed", step=step, message=(
@@ -206,6 +222,8 @@ class DrafterRun:
         seconds = round(time.perf_counter() - started, 3)
         self.log.emit("heldout", step=self.trainer.step, seconds=seconds, **fields)
         self.telemetry.record("heldout", self.trainer.step, {**fields, "seconds": seconds})
+        if fields.get("heldout_tau") is not None:
+            self.heldout_taus[self.trainer.step] = fields["heldout_tau"]
 
     def end_reason(self, steps_this_run: int) -> str | None:
         """Why the run ends before its next step, or None while it has steps to take."""
@@ -230,26 +248,29 @@ class DrafterRun:
                       **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
         if counts is not None and counts.warning(self.cfg.data):
             self.log.emit("warning", message=counts.warning(self.cfg.data))
-        steps_this_run, first_step = 0, {}
+        steps_this_run, first_step, logged_batches = 0, {}, self.order.batches
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()
-            batch = source.next_batch(stop)
-            waited = time.perf_counter() - started  # for its batch: the target's features, the drafters' vote
-            if batch is None:
+            batches = self.micro_batches(source, stop)
+            # Waited for its batches: the target's features, the drafters' votes.
+            waited = time.perf_counter() - started
+            if batches is None:
                 reason = source.stop_reason
                 break
-            result = self.drafters.mean(self.trainer.train_step(**batch))
+            result = self.drafters.mean(self.trainer.accumulated_step(batches))
             steps_this_run += 1
             seconds = time.perf_counter() - started
             if steps_this_run == 1:  # compilation included: said on the run's first step line
                 first_step = {"first_step_seconds": round(seconds, 3)}
-            samples = self.cfg.data.batch_size * self.cfg.drafters  # the global batch's rows
+            samples = len(batches) * self.cfg.data.batch_size * self.cfg.drafters  # the global batch's rows
             self.meter.add(result, seconds, samples, waited)
             if result.step % run_cfg.log_every == 0 or result.step == total:
                 # Means over the steps since the last line, not the last step's figures.
                 figures = self.meter.flush()
+                # The data order's batches these steps trained, [first, end) by index in the seeded order.
+                trained, logged_batches = [logged_batches, self.order.batches], self.order.batches
                 self.log.emit("step", step=result.step, lr=result.lr, blocks=result.num_blocks, **figures,
-                              **first_step)
+                              **first_step, batches=trained)
                 first_step = {}
                 self.telemetry.record("train", result.step, {**figures, "lr": result.lr})
             self.log.show_progress(result.step, result.loss, result.num_tokens / max(seconds, 1e-9),
@@ -265,6 +286,20 @@ class DrafterRun:
             self.log_lost_steps()
         self.telemetry.close()
         return reason
+
+    def micro_batches(self, source, stop) -> list[dict] | None:
+        """The next step's optim.accumulate batches from `source`, or None when the run must stop: then
+        the data order goes back to where the step began, so that a resume trains those batches."""
+        position = self.order.state_dict()
+        batches = []
+        for _ in range(self.cfg.optim.accumulate):
+            batch = source.next_batch(stop)
+            if batch is None:
+                if batches:
+                    self.order.load_state_dict(position)
+                return None
+            batches.append(batch)
+        return batches
 
     def log_lost_steps(self) -> None:
         """The run ends with steps its checkpoints do not hold (the final save failed): a `checkpoint_lost`

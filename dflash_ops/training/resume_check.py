@@ -4,12 +4,12 @@ A run resumes from the latest checkpoint in its output directory, under the conf
 now. `check_resume` compares that config with the checkpoint's own (`config.yaml`, `meta.json`) before
 any process, model or status file is touched: a key that changes the drafter's weights' shapes, or a
 target of another shape, cannot resume (ConfigError naming each difference: the weights would not load,
-or would load into another model); the loss weighting and an epochs-derived step count are refused as
+or would load into another model); the loss weighting and an epochs run's other data plan are refused as
 `dflash_ops.training.checkpoint` rules; a key the resume could not apply (`FIXED`: run.seed, whose data
 order and random states the checkpoint's run goes on with) is refused the same way. Every other
 difference is applied from this config, and returned for the run to warn about and log in its `resume`
-line: the learning rate and schedule (optim.lr, warmup_ratio, total_steps, weight_decay: the scheduler
-is rebuilt from them at the resumed step, `dflash_ops.training.trainer.make_scheduler`, the AdamW
+line: the learning rate and schedule (optim.lr, warmup_ratio, schedule, total_steps, weight_decay: the
+scheduler is rebuilt from them at the resumed step, `dflash_ops.training.trainer.make_scheduler`, the AdamW
 moments kept), and the keys read at each step or save (max_grad_norm, data.batch_size, run.*, ...).
 """
 

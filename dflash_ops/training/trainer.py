@@ -75,16 +75,21 @@ def compute_precision(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.model.dtype == "bfloat16")
 
 
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup to 1 over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
+    """Linear warmup to 1 over `warmup_steps`, then `schedule` (optim.schedule): cosine or linear decay
+    to 0 at `total_steps`, or constant at 1."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def make_optimizer_and_scheduler(params, optim: OptimConfig, total_steps: int):
-    """AdamW over `params` and a LambdaLR with warmup + cosine over the run's `total_steps` (optim's,
+    """AdamW over `params` and a LambdaLR with warmup + optim.schedule over the run's `total_steps` (optim's,
     or those its epochs derive: `TrainConfig.total_steps`) (paper: lr 6e-4, warmup 4%)."""
     params = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
@@ -92,16 +97,17 @@ def make_optimizer_and_scheduler(params, optim: OptimConfig, total_steps: int):
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int, step: int = 0):
-    """The schedule of `optim` (its lr, warmup_ratio) over `total_steps`, standing at `step` (the steps
-    done: a resume's): every param group's lr is then optim.lr times the schedule's multiplier there.
-    A resume builds it afresh from its own config, so a changed lr or schedule is the one it trains by
+    """The schedule of `optim` (its lr, warmup_ratio, schedule) over `total_steps`, standing at `step`
+    (the steps done: a resume's): every param group's lr is then optim.lr times the schedule's multiplier
+    there. A resume builds it afresh from its own config, so a changed lr or schedule is the one it trains by
     (the optimizer's moments stay the checkpoint's)."""
     warmup_steps = round(optim.warmup_ratio * total_steps)
     for group in optimizer.param_groups:
         group["initial_lr"] = optim.lr
         group["weight_decay"] = optim.weight_decay
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps), last_epoch=step - 1
+        optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, optim.schedule),
+        last_epoch=step - 1
     )
 
 
@@ -237,16 +243,33 @@ class DrafterTrainer:
         its share of sum(w * ce) / sum(w) over the whole batch: the gradient is the full batch's,
         while the `[Q, T+Q]` mask and `[Q, vocab]` logits exist for one group at a time. The host
         reads the device only where `HOST_READS` says: laying out the batch, and the step's figures."""
+        return self.accumulated_step([{"features": features, "cu_seqlens": cu_seqlens,
+                                       "position_ids": position_ids, "input_ids": input_ids,
+                                       "loss_mask": loss_mask}])
+
+    def accumulated_step(self, micro_batches: list[dict]) -> StepResult:
+        """One optimizer step over several micro-batches (optim.accumulate; each the keyword arguments of
+        `train_step`): all of them are laid out first, so that every backward divides by the weight of
+        them all, and the step is the one of their concatenation (one token-weighted mean; the anchors
+        drawn in the same order). Under DDP only the last micro-batch's last pass synchronises."""
         device = self.drafter.fc.weight.device
-        features, position_ids = features.to(device), position_ids.to(device)
-        input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
-        parts, n_blocks = self.layout(cu_seqlens, position_ids, input_ids, loss_mask)
+        laid_out = []
+        for batch in micro_batches:
+            features, position_ids = batch["features"].to(device), batch["position_ids"].to(device)
+            input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+            parts, n_blocks = self.layout(batch["cu_seqlens"], position_ids, input_ids, loss_mask)
+            laid_out.append((features, position_ids, parts, n_blocks))
         # One token-weighted mean over every drafter's scored positions (the batch's, with one drafter).
-        total_weight = global_normalizer(sum(batch.weights.sum() for _, _, batch, _ in parts),
-                                         self.process_group)
+        total_weight = global_normalizer(sum(b.weights.sum() for *_, parts, _ in laid_out
+                                             for _, _, b, _ in parts), self.process_group)
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, hits, counts = self.forward_backward(features, position_ids, parts, total_weight)
+        loss_sum = hits = counts = 0
+        for i, (features, position_ids, parts, _) in enumerate(laid_out):
+            sync = i == len(laid_out) - 1
+            with contextlib.nullcontext() if sync or self.ddp is None else self.ddp.no_sync():
+                micro = self.forward_backward(features, position_ids, parts, total_weight)
+            loss_sum, hits, counts = loss_sum + micro[0], hits + micro[1], counts + micro[2]
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
@@ -254,7 +277,8 @@ class DrafterTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return self.figures(loss_sum, grad_norm, hits, counts, lr, int(features.shape[0]), n_blocks)
+        return self.figures(loss_sum, grad_norm, hits, counts, lr,
+                            sum(int(b[0].shape[0]) for b in laid_out), sum(b[3] for b in laid_out))
 
     def layout(self, cu_seqlens: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor,
                loss_mask: torch.Tensor) -> tuple[list[tuple[int, int, BlockBatch, BlockMask]], int]:

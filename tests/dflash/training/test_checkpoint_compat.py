@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
+
 REPO = Path(__file__).resolve().parents[3]
 EARLIER = "96e5340"  # the last tree with the flat package
 
@@ -46,7 +48,7 @@ def test_a_run_the_earlier_trainer_checkpointed_resumes_at_its_saved_step_plus_o
     earlier = earlier_trainer(tmp_path / "earlier")
     out = tmp_path / "run"
     config = tmp_path / "config.yaml"
-    raw = tiny_config(out, optim={"total_steps": 6}, run={"max_steps_per_run": 3})
+    raw = tiny_config(out, optim={"total_steps": 6}, run={"max_steps_per_run": 3, "log_every": 1})
     config.write_text(yaml.safe_dump(raw))
     first = train(earlier, config, package="dflash")
     assert [e["step"] for e in first if e["event"] == "step"] == [1, 2, 3]
@@ -54,3 +56,8 @@ def test_a_run_the_earlier_trainer_checkpointed_resumes_at_its_saved_step_plus_o
     resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] == 3, second
     assert [e["step"] for e in second if e["event"] == "step"] == [4, 5, 6]
+    # Its data position has no count of the batches taken (elastic resume's): they are numbered as they
+    # always were, step x drafters, and the checkpoints written now record the count.
+    assert [e["batches"] for e in second if e["event"] == "step"] == [[3, 4], [4, 5], [5, 6]]
+    _, state, meta = load_checkpoint(latest_checkpoint(out))
+    assert state["data"]["batches"] == 6 and meta["data_position"] == state["data"]

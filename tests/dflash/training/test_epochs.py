@@ -122,7 +122,9 @@ def test_a_single_process_run_stops_at_the_derived_steps_and_its_schedule_uses_t
     assert lr[7] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
     _, state, meta = load_checkpoint(latest_checkpoint(out))
     assert meta["step"] == 12 and meta["step_plan"]["total_steps"] == 12
-    assert state["data"] == {"epoch": 1, "cursor": 16, "num_examples": 32}  # 48 examples: 1.5 epochs
+    # 48 examples: 1.5 epochs, 12 batches taken
+    assert state["data"] == {"epoch": 1, "cursor": 16, "num_examples": 32, "batches": 12}
+    assert meta["data_position"] == state["data"]
 
 
 def test_a_resume_whose_data_derives_other_steps_is_refused_and_the_same_data_resumes(
@@ -139,8 +141,19 @@ def test_a_resume_whose_data_derives_other_steps_is_refused_and_the_same_data_re
     error = next(r for r in events(capsys.readouterr().out) if r["event"] == "error")
     assert "optim.epochs: derives 15 steps (1.5 epochs of 40 examples, batch 4 x 1 drafters), the " \
            "checkpoint's run was 12 steps (1.5 epochs of 32 examples" in error["message"]
-    assert "set optim.total_steps to 12" in error["message"]
+    # Its data order goes on over its own examples only: no optim.total_steps would resume it.
+    assert "set data.path (and data.min_loss_tokens) back" in error["message"]
+    assert "optim.total_steps to" not in error["message"]
     assert load_checkpoint(latest_checkpoint(out))[2]["step"] == 5
+
+    # Another batch size: the advice's optim.total_steps trains what the 1.5 epochs have left after the
+    # 20 examples of 5 steps: 28 more, ceil(28 / 8) = 4 steps of 8, to step 9 (not 12, the checkpoint's).
+    wider = {**raw, "data": {**raw["data"], "batch_size": 8}}
+    capsys.readouterr()
+    assert run_single_process(config_from_dict(wider)) == 2
+    error = next(r for r in events(capsys.readouterr().out) if r["event"] == "error")
+    assert "set optim.total_steps to 9 (and optim.epochs to null)" in error["message"], error["message"]
+    assert "after the 20 examples trained" in error["message"]
 
     unlimited = {**raw, "run": {**raw["run"], "max_steps_per_run": None}}
     assert run_single_process(config_from_dict(unlimited)) == 0
@@ -172,4 +185,4 @@ def test_a_pipeline_of_d_drafters_takes_d_batches_a_step_and_stops_at_the_derive
     assert target["batches_sent"] == steps * drafters == 12  # 1.5 epochs of 32 in batches of 4
     _, state, _ = load_checkpoint(latest_checkpoint(out))
     assert state["trainer"]["step"] == steps
-    assert state["data"] == {"epoch": 1, "cursor": 16, "num_examples": 32}
+    assert state["data"] == {"epoch": 1, "cursor": 16, "num_examples": 32, "batches": 12}
