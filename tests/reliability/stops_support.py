@@ -246,7 +246,8 @@ def rng_for(test_name):
 def trainer_processes(fleet, vmid):
     """The trainer's processes in the container (launcher, torchrun, workers), as `ps` lists them."""
     res = fleet.ct(vmid, "ps -eo pid,args")
-    return [line for line in res.stdout.splitlines() if "dflash." in line or "torch.distributed.run" in line]
+    return [line for line in res.stdout.splitlines()
+            if "dflash_ops." in line or "torch.distributed.run" in line]
 
 
 def hosts(vmids):
