@@ -52,6 +52,9 @@ def parser():
     which.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                        help=f"the sim to bring down (default {DEFAULT_STATE_DIR})")
     which.add_argument("--all", action="store_true", help="bring down every sim on this machine")
+    which.add_argument("--checkout", action="store_true",
+                       help="bring down every sim this checkout's pvesim brought up (a test suite's, "
+                            "whatever its state dirs), and no other checkout's")
     p_ssh = sub.add_parser("ssh", help="open ssh to a node as root (or run a command there)")
     p_ssh.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                        help=f"the sim (default {DEFAULT_STATE_DIR})")
@@ -110,7 +113,10 @@ def main(argv=None):
                      gpu_generation=args.gpu_generation)
             return print_status([sim.state_dir])
         if args.command == "down":
-            down_all() if args.all else down(args.state_dir)
+            if args.all or args.checkout:
+                down_all(checkout_only=args.checkout)
+            else:
+                down(args.state_dir)
             return 0
         if args.command == "ssh":
             argv = load(args.state_dir).ssh_argv(args.node)

@@ -501,11 +501,24 @@ def down(state_dir=DEFAULT_STATE_DIR):
         _down_locked(Path(state_dir).resolve())
 
 
-def down_all():
-    """Bring down every registered sim (and the default one)."""
+def down_all(checkout_only=False):
+    """Bring down every registered sim (and the default one); `checkout_only`: only those this checkout's
+    pvesim brought up (its nodes' provision.json names this package), so that a CI run's last step leaves
+    another checkout's suite running on the machine alone."""
     with host.machine_lock():
         for state_dir in {*host.registered_state_dirs(), DEFAULT_STATE_DIR}:
-            _down_locked(state_dir)
+            if not checkout_only or _brought_up_here(state_dir):
+                _down_locked(state_dir)
+
+
+def _brought_up_here(state_dir):
+    for provision in Path(state_dir).glob("nodes/*/provision.json"):
+        try:
+            if json.loads(provision.read_text()).get("path") == str(REPO_ROOT):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def _down_locked(state_dir):

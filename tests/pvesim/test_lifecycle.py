@@ -127,6 +127,28 @@ def test_down_all_brings_down_every_registered_sim(tmp_path, monkeypatch):
     assert not (tmp_path / "pct").exists()  # the last sim down removes the shared pct
 
 
+def test_down_of_a_checkout_leaves_another_checkout_s_sims_up(tmp_path, monkeypatch):
+    """`pvesim down --checkout` (.ci/run's last step) brings down the sims this checkout's pvesim brought
+    up, whatever their state dirs, and leaves a sim of another checkout on the machine running."""
+    monkeypatch.setattr(host, "REGISTRY", tmp_path / "registry")
+    monkeypatch.setattr(host, "PCT_PATH", tmp_path / "pct")
+    monkeypatch.setattr(host, "PACKAGE_PCT", tmp_path / "packages")
+    monkeypatch.setattr(sim_module, "DEFAULT_STATE_DIR", tmp_path / "default")
+    ours, theirs = [pvesim.up(nodes=1, containers=(370 + i,), gpus=1, state_dir=tmp_path / f"s{i}",
+                              inventory=tmp_path / f"hosts{i}.yml") for i in range(2)]
+    provision = theirs.state_dir / "nodes" / "pve1" / "provision.json"
+    record = json.loads(provision.read_text())
+    provision.write_text(json.dumps({**record, "path": "/srv/another-checkout"}))
+    try:
+        ours_pids, theirs_pids = started_pids(ours), started_pids(theirs)
+        pvesim.down_all(checkout_only=True)
+        assert [p for p, st in ours_pids if procs.is_alive(p, st)] == []
+        assert all(procs.is_alive(p, st) for p, st in theirs_pids)
+        assert host.registered_state_dirs() == [theirs.state_dir.resolve()]
+    finally:
+        pvesim.down(theirs.state_dir)
+
+
 def test_each_checkout_has_a_default_state_dir_of_its_own(tmp_path):
     """`make sim-up` / `make sim-down` in two clones on one machine: two simulations, neither ends the
     other's (pvesim's default state dir is named after the checkout and a hash of its path)."""
