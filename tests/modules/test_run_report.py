@@ -8,7 +8,10 @@ import json
 import os
 import signal
 import sys
+import time
+from datetime import UTC, datetime
 
+import pytest
 from module_runner import Run, alive, run_module
 from test_gpu_verify_local import BUSY, FakeNvidiaSmi
 
@@ -104,3 +107,43 @@ def test_a_job_running_beside_the_run_is_reported_with_its_last_log_line(tmp_pat
     stopped, rc = job.call(state="stopped")
     assert rc == 0, stopped
     assert report(run, smi, tmp_path)["jobs"] == []
+
+
+def at(seconds_ago):
+    """An ISO 8601 time `seconds_ago` seconds before now, as status.json and the pidfile write it."""
+    return datetime.fromtimestamp(time.time() - seconds_ago, UTC).isoformat(timespec="seconds")
+
+
+@pytest.mark.parametrize(("written", "updated_ago", "live", "stalled"), [
+    ("running", 600, True, True),       # live, `running`, no step for 10 minutes: stalled
+    ("running", 30, True, False),       # a step within the window
+    ("starting", 600, True, False),     # still loading its models: no step is due yet
+    ("stopping", 600, True, False),     # its stop is under way
+    ("running", 7200, True, False),     # the previous run's status.json: this run is still starting
+    ("running", 600, False, False),     # gone: it died (the table says so), not stalled
+])
+def test_a_live_run_without_a_step_for_longer_than_the_window_is_stalled(
+        tmp_path, processes, written, updated_ago, live, stalled):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    started = run.start()
+    record = json.loads(run.pidfile.read_text())
+    record["started_at"] = at(3600)  # the run started an hour ago
+    run.pidfile.write_text(json.dumps(record))
+    if not live:
+        os.kill(started["pid"], signal.SIGKILL)
+        assert wait_for(lambda: not alive(started["pid"]), timeout=60), "the fake run outlived SIGKILL"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "status.json").write_text(
+        json.dumps({"state": written, "step": 7, "updated_at": at(updated_ago)}))
+    shown = report(run, smi, tmp_path, stalled_after=300)
+    assert shown["stalled"] is stalled, shown
+    assert updated_ago <= shown["step_age"] <= updated_ago + 60, shown  # by the container's clock
+
+
+def test_the_step_age_of_a_status_json_without_a_time(tmp_path, processes):
+    smi, run = FakeNvidiaSmi(tmp_path), Run(tmp_path, processes)
+    run.start()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "status.json").write_text(json.dumps({"state": "running", "step": 7}))
+    shown = report(run, smi, tmp_path, stalled_after=0)
+    assert (shown["step_age"], shown["stalled"]) == (None, False), shown

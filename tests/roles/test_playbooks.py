@@ -224,7 +224,7 @@ def test_status_shows_one_table_for_the_fleet(fleet):
         assert row[1] == ("pve1" if vmid < 202 else "pve2")
         assert row[2] == Path(fleet.live_release(vmid)).name
         assert row[3] == "running" and int(row[4]) == fleet.run_info(vmid)["pid"]
-        assert int(row[5]) >= 1 and "0:" in " ".join(row[10:]) and "1:" in " ".join(row[10:])
+        assert int(row[5]) >= 1 and "0:" in " ".join(row[11:]) and "1:" in " ".join(row[11:])
     # CT 200's run was killed without a stop, so the table says it died (not stopped), with its last
     # step and checkpoint, and the end of its log.
     status = fleet.status(200)
@@ -232,7 +232,7 @@ def test_status_shows_one_table_for_the_fleet(fleet):
     died = rows["ct200"]
     assert died[3] == "died" and died[4] == "-" and died[5] == str(status["step"])
     checkpoint = status["last_checkpoint"]
-    assert died[9] == (str(int(Path(checkpoint).name[5:])) if checkpoint else "-")
+    assert died[10] == (str(int(Path(checkpoint).name[5:])) if checkpoint else "-")
     after = table[table.index(next(line for line in table if line.startswith("ct200"))) + 1:]
     assert after and after[0].lstrip().startswith("log: {")
 

@@ -44,7 +44,7 @@ def test_the_state_column(state, ended, written, shown):
     lines = render(report(state, ended, progress, LOG if ended else ""))
     row = lines[1].split()
     assert row[:4] == ["ct200", "pve1", "r1", shown]
-    assert (row[5], row[9]) == ("8", "5")  # the last step and the last checkpoint's step
+    assert (row[5], row[10]) == ("8", "5")  # the last step and the last checkpoint's step
     extra = [line.strip() for line in lines[2:]]
     if shown in ("failed", "died"):  # the end of the log, and the error when status.json has one
         assert extra[-5:] == [f"log: {line}" for line in LOG.strip().splitlines()[-5:]]
@@ -55,7 +55,7 @@ def test_the_state_column(state, ended, written, shown):
 
 def test_a_run_without_a_checkpoint_or_a_report():
     lines = render(report("stopped", True, {"state": "running", "step": 0}))
-    assert lines[1].split()[3] == "died" and lines[1].split()[9] == "-"
+    assert lines[1].split()[3] == "died" and lines[1].split()[10] == "-"
     hostvars_without_report = render({})
     assert hostvars_without_report[1].split()[3] == "unreachable"
 
@@ -65,7 +65,7 @@ def test_a_run_that_lives_with_a_full_disk_shows_what_it_could_not_write():
                 "checkpoint_error": "checkpoint step 40 could not be written (No space left on device)",
                 "log_error": "the log cannot be written since 2026-01-01T00:00:00+00:00 (No space left)"}
     lines = [line.strip() for line in render(report("running", False, progress))]
-    assert lines[1].split()[3] == "running" and lines[1].split()[9] == "20"
+    assert lines[1].split()[3] == "running" and lines[1].split()[10] == "20"
     assert lines[2:] == [f"checkpoint: {progress['checkpoint_error']}", f"log error: {progress['log_error']}"]
 
 
@@ -108,3 +108,17 @@ def test_a_regeneration_running_beside_the_run_shows_how_far_it_got():
     lines = [line.strip() for line in render(shown)]
     assert lines[2:] == [f"regenerate: running, pid 5151; last: {last}"]
     assert [line.strip() for line in render(report("running", False, {"state": "running"}))][2:] == []
+
+
+@pytest.mark.parametrize(("stalled", "age", "shown"), [(True, 1234, "stalled"), (False, 12, "running")])
+def test_a_running_run_without_a_step_for_longer_than_the_window_shows_stalled(stalled, age, shown):
+    progress = {"state": "running", "step": 40}
+    lines = render({**report("running", False, progress), "step_age": age, "stalled": stalled})
+    row = lines[1].split()
+    assert lines[0].split()[6] == "step_age" and (row[3], row[5], row[6]) == (shown, "40", f"{age}s")
+    extra = [line.strip() for line in lines[2:]]
+    assert extra == (["stalled: live, but no step for 1234s (over dflash_status_stalled_after, 900s)"]
+                     if stalled else [])
+    # A run that died is said so, whatever its last step's age.
+    dead = render({**report("stopped", True, progress), "step_age": age, "stalled": False})
+    assert dead[1].split()[3] == "died"

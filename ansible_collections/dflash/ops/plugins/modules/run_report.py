@@ -57,6 +57,14 @@ options:
     type: list
     elements: int
     default: []
+  stalled_after:
+    description:
+      - Seconds without a step after which a live run whose C(status.json) says V(running) is reported
+        RV(stalled). A run still starting (C(status.json) says V(starting), or is still the previous run's,
+        written before this run started) or stopping is never stalled; a held-out pass writes nothing
+        until it ends, so the window must be longer than the run's longest held-out pass.
+    type: int
+    default: 900
 """
 
 EXAMPLES = r"""
@@ -125,6 +133,18 @@ pidfile_unsafe:
   description: Why the pidfile is not trusted (owner, mode, directory).
   returned: when it is not
   type: str
+step_age:
+  description:
+    - Seconds since C(status.json) was last written by the run (its C(updated_at), which each step
+      rewrites), by the container's clock; null when it has none or names no time.
+  returned: always
+  type: int
+stalled:
+  description:
+    - Whether the run is live, C(status.json) (written since this run started) says V(running) and
+      RV(step_age) is over O(stalled_after).
+  returned: always
+  type: bool
 jobs:
   description:
     - The running jobs of O(jobs), each C(name), C(pid), C(started_at) and C(last) (its log's last line).
@@ -135,6 +155,8 @@ jobs:
 
 import json
 import os
+import time
+from datetime import datetime
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -152,7 +174,34 @@ ARGUMENT_SPEC = dict(
     output_dir=dict(type="path", required=True),
     gpus=dict(type="list", elements="int", default=[]),
     jobs=dict(type="list", elements="str", default=["regenerate", "capture"]),
+    stalled_after=dict(type="int", default=900),
 )
+
+
+def epoch(text):
+    """Seconds since the epoch of an ISO 8601 time with its offset, None for anything else."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+    except ValueError:
+        return None
+    return moment.timestamp() if moment.tzinfo is not None else None
+
+
+def step_age(progress, started_at, stalled_after, live, now=None):
+    """(age, stalled) of a run: the seconds since its status.json was written (`updated_at`, rewritten
+    at each step), and whether a live run says `running` but took no step for over `stalled_after`
+    seconds. A status.json written before the run started (`started_at`, its pidfile's) is the previous
+    run's: the run is still starting, never stalled; so is one that says `starting` (loading the models)
+    or `stopping`."""
+    now = time.time() if now is None else now
+    updated, started = epoch(progress.get("updated_at")), epoch(started_at)
+    if updated is None:
+        return None, False
+    age = max(0, int(now - updated))
+    own = started is None or updated >= started
+    return age, bool(live and own and progress.get("state") == "running" and age > stalled_after)
 
 
 def release_name(path):
@@ -219,6 +268,8 @@ def report(params):
         started_at=run.get("started_at", "") if verdict == "live" else "",
         boot=read_object(boot_result),
         gpus=gpus, gpu_error=gpu_error, jobs=running_jobs(params))
+    result["step_age"], result["stalled"] = step_age(result["progress"], run.get("started_at", ""),
+                                                     params["stalled_after"], verdict == "live")
     if unsafe:
         result["pidfile_unsafe"] = unsafe
     return result
