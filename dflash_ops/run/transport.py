@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,21 +27,33 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 FEED_DONE = "done"  # queue item: the schedule is over, or a target ended early
 POLL_S = 0.1  # how often a waiting drafter looks at its stop signal and its receiving thread
+DONE_POLL_S = 0.0005  # how often a host waiting for a transfer's completion looks at it
+
+
+def wait_done(works) -> None:
+    """Each transfer of `works` (`isend`/`irecv` work objects) complete on its device, not only queued:
+    `wait` (which raises a failed transfer's error; on NCCL it only orders the current stream after
+    the transfer), then `is_completed` (on NCCL the transfer's CUDA event) until the peer has it."""
+    for work in works:
+        work.wait()
+    for work in works:
+        while not work.is_completed():
+            time.sleep(DONE_POLL_S)
 
 
 def send_batch(dst: int, index: int, features: torch.Tensor, cu_seqlens: torch.Tensor,
                position_ids: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                group=None) -> None:
     """Three messages: a header, the int64 metadata, the `[T, k*H]` features (over `group`: the
-    default one, or the start's for the held-out features)."""
+    default one, or the start's for the held-out features); it returns once the drafter has them all
+    (`wait_done`), so that the host clock around it is the send's own time."""
     n_tokens, width = features.shape
     device = features.device
     header = torch.tensor([KIND_BATCH, index, n_tokens, cu_seqlens.numel() - 1, width,
                            DTYPE_CODES[features.dtype]], dtype=torch.int64, device=device)
     ints = torch.cat([input_ids, loss_mask, position_ids, cu_seqlens.to(torch.int64)]).to(device, torch.int64)
-    dist.send(header, dst, group=group)
-    dist.send(ints, dst, group=group)
-    dist.send(features.contiguous(), dst, group=group)
+    wait_done([dist.isend(header, dst, group=group), dist.isend(ints, dst, group=group),
+               dist.isend(features.contiguous(), dst, group=group)])
 
 
 def end_marker(device: torch.device) -> torch.Tensor:
@@ -51,9 +64,7 @@ def send_end_markers(schedule: BatchSchedule, rank: int, index: int, end: int, d
     """Tell each drafter that still expects a batch from the target of global rank `rank` (from
     `index` on) that none will come; all at once, since each drafter receives in its own order."""
     waiting = sorted({schedule.drafter_role_rank(i) for i in schedule.target_batches(rank, index, end)})
-    works = [dist.isend(end_marker(device), schedule.drafter_ranks[dst]) for dst in waiting]
-    for work in works:
-        work.wait()
+    wait_done([dist.isend(end_marker(device), schedule.drafter_ranks[dst]) for dst in waiting])
 
 
 def recv_batch(src: int, device: torch.device, group=None) -> tuple[int, dict] | None:
@@ -65,9 +76,9 @@ def recv_batch(src: int, device: torch.device, group=None) -> tuple[int, dict] |
     if kind == KIND_END:
         return None
     ints = torch.empty(3 * n_tokens + n_docs + 1, dtype=torch.int64, device=device)
-    dist.recv(ints, src, group=group)
     features = torch.empty(n_tokens, width, dtype=CODE_DTYPES[dtype_code], device=device)
-    dist.recv(features, src, group=group)
+    # Received, not only queued: the drafter's wait for a batch is its own, never its next step's.
+    wait_done([dist.irecv(ints, src, group=group), dist.irecv(features, src, group=group)])
     input_ids, loss_mask, position_ids, cu_seqlens = ints.split([n_tokens, n_tokens, n_tokens, n_docs + 1])
     return index, {"features": features, "cu_seqlens": cu_seqlens.to(torch.int32).cpu(),
                    "position_ids": position_ids, "input_ids": input_ids, "loss_mask": loss_mask}

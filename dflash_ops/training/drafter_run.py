@@ -129,7 +129,7 @@ class DrafterRun:
         elsewhere (a pipeline's target rank 0) and given as `documents` (`heldout_documents`)."""
         cfg = self.cfg
         settings = (cfg.data.max_anchors, cfg.gamma, cfg.model.loss_chunk_size,
-                    lambda device: compute_precision(cfg, device))
+                    lambda device: compute_precision(cfg, device), cfg.model.attention_backend)
         if documents is not None:
             self.heldout = HeldOutEvaluator(documents, *settings)
             return

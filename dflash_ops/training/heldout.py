@@ -2,8 +2,9 @@
 
 The held-out examples' target features are computed once (the target is frozen). Each evaluation
 is then drafter passes only: a block at every response position, in chunks of `data.max_anchors`
-blocks through the training step's block-sparse attention, in its precision (`precision`, the
-training autocast), and the lm_head `chunk_size` rows at a time (`model.loss_chunk_size`,
+blocks through the training step's attention (`choose_attention` of the same `model.attention_backend`
+on the same device: FlexAttention compiled on CUDA, the block-sparse tiles elsewhere), in its precision
+(`precision`, the training autocast), and the lm_head `chunk_size` rows at a time (`model.loss_chunk_size`,
 `chunked_head_eval`): its peak memory is that of a training step's forward at the same shape, never a
 chunk's `[blocks x b, vocab]` logits. It gives
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from dflash_ops.data.examples import Example
 from dflash_ops.data.target import step_features
+from dflash_ops.model import flex
 from dflash_ops.model.acceptance import AcceptanceStats, replay_acceptance
 from dflash_ops.model.drafter import DFlashDrafter
 from dflash_ops.model.loss import build_block_batch, chunked_head_eval
@@ -76,30 +78,39 @@ class HeldOutEvaluator:
     """The held-out figures of a drafter on `documents` (`heldout_documents`)."""
 
     def __init__(self, documents: list[HeldOutDocument], max_anchors: int, gamma: float,
-                 chunk_size: int | None = None, precision=None):
+                 chunk_size: int | None = None, precision=None, attention_backend: str = "auto"):
         """`precision(device)`: the context the drafter's forward and head run in (the training's
-        autocast; none by default); `chunk_size`: lm_head rows at a time (None: all of a chunk's)."""
+        autocast; none by default); `chunk_size`: lm_head rows at a time (None: all of a chunk's);
+        `attention_backend`: the run's `model.attention_backend`, chosen on the drafter's device as the
+        training step chooses it (`dflash_ops.model.flex.choose_attention`)."""
         self.documents = documents
         self.max_anchors, self.gamma, self.chunk_size = max_anchors, gamma, chunk_size
         self.precision = precision or (lambda device: contextlib.nullcontext())
+        self.attention_backend = attention_backend
+        # Compiled, every pass sees one shape: the longest document's context and a full chunk's blocks.
+        self.context_rows = max((doc.input_ids.numel() for doc in documents), default=0)
 
     @classmethod
     def of(cls, target: nn.Module, examples: list[Example], layer_ids: list[int], max_anchors: int,
-           gamma: float, chunk_size: int | None = None, precision=None) -> HeldOutEvaluator:
+           gamma: float, chunk_size: int | None = None, precision=None,
+           attention_backend: str = "auto") -> HeldOutEvaluator:
         """The evaluator of `examples`, their features computed here by `target`."""
         device = target.get_input_embeddings().weight.device
         features = step_features(target, examples, layer_ids, 1, device)  # one example a pass
-        return cls(heldout_documents(**features), max_anchors, gamma, chunk_size, precision)
+        return cls(heldout_documents(**features), max_anchors, gamma, chunk_size, precision,
+                   attention_backend)
 
     @torch.no_grad()
     def __call__(self, drafter: DFlashDrafter) -> HeldOutResult:
         was_training = drafter.training
         drafter.eval()
         block_size = drafter.cfg.block_size
+        device = drafter.fc.weight.device
+        attention = flex.choose_attention(self.attention_backend, device)  # the training step's
+        padded = (self.context_rows, self.max_anchors * block_size) if attention.compiled else (0, 0)
         stats = AcceptanceStats("held-out", block_size)
         weighted_ce, total_weight = 0.0, 0.0
         for doc in self.documents:
-            device = drafter.fc.weight.device
             length = doc.input_ids.numel()
             anchors = torch.arange(doc.response_start, length - 1)
             cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
@@ -110,9 +121,10 @@ class HeldOutEvaluator:
                                           positions, [chunk], block_size, drafter.cfg.mask_token_id,
                                           self.gamma)
                 drafted = torch.arange(batch.labels.numel(), device=device) % block_size > 0  # not anchors
+                mask = batch.block_mask(attention.backend, *padded, attention.compiled)
                 with self.precision(device):
                     hidden = drafter(doc.features.to(device), positions, batch.block_input_ids,
-                                     batch.block_positions, batch.sparse_mask)
+                                     batch.block_positions, mask)
                     ce_sum, argmax = chunked_head_eval(hidden[drafted], drafter.lm_head,
                                                        batch.labels[drafted], batch.weights[drafted],
                                                        self.chunk_size)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import tempfile
-import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from stat import S_ISLNK, S_ISREG
@@ -193,7 +193,6 @@ def stopped_result(record, verdict, **extra):
 # The pidfile's lock is root's alone: a lock file others may open is a lock any local user can hold (flock
 # works on a read-only descriptor), and a held lock would block every stop, restart and deploy.
 LOCK_MODE = 0o600
-LOCK_POLL_SECONDS = 0.2
 
 
 def lock_holders(fd):
@@ -208,20 +207,34 @@ def lock_holders(fd):
     return [int(row[4]) for row in rows if len(row) > 5 and row[1] == "FLOCK" and row[5] == file_id]
 
 
+class _LockWaitOver(Exception):
+    pass
+
+
+def _lock_wait_over(signum, frame):
+    raise _LockWaitOver
+
+
 def take_lock(fd, path, wait):
-    """flock(LOCK_EX) on `fd`, waiting at most `wait` seconds; RunError naming the holder after that."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                holders = ", ".join(f"pid {pid}" for pid in lock_holders(fd)) or "a process not seen here"
-                raise RunError(f"the run's lock {path} is still held after {wait:.0f} s, by {holders} "
-                               f"(another deploy, stop or restart of this run, or a stuck one: look at that "
-                               f"process before you end it). {NOTHING_DONE}") from None
-            time.sleep(LOCK_POLL_SECONDS)
+    """flock(LOCK_EX) on `fd`, blocked at most `wait` seconds (a waiter /proc/locks lists, ended by
+    SIGALRM); RunError naming the holder after that."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    previous = signal.signal(signal.SIGALRM, _lock_wait_over)
+    signal.setitimer(signal.ITIMER_REAL, max(wait, 0.001))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except _LockWaitOver:
+        holders = ", ".join(f"pid {pid}" for pid in lock_holders(fd)) or "a process not seen here"
+        raise RunError(f"the run's lock {path} is still held after {wait:.0f} s, by {holders} "
+                       f"(another deploy, stop or restart of this run, or a stuck one: look at that "
+                       f"process before you end it). {NOTHING_DONE}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @contextmanager
