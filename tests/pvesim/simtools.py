@@ -40,3 +40,18 @@ def host_pid(init_pid, container_pid):
         if nspid[-1] == str(container_pid):
             return int(entry)
     return None
+
+
+def lone_node(tmp_path_factory, name, containers, gpus):
+    """A sim of one node with `containers` of its own, which a test module may change; bring it down
+    with pvesim.down(sim.state_dir)."""
+    import pvesim
+
+    return pvesim.up(nodes=1, containers=containers, gpus=gpus,
+                     state_dir=tmp_path_factory.mktemp(name) / "state",
+                     inventory=tmp_path_factory.mktemp(f"{name}-inv") / "hosts.yml")
+
+
+def container_conf(sim, vmid, node="pve1"):
+    """The node's config file of container `vmid` (what pct reads and writes)."""
+    return sim.state_dir / "nodes" / node / "pve" / "lxc" / f"{vmid}.conf"

@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 
+import pvesim
+from tests.pvesim.simtools import container_conf, lone_node
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sim
@@ -22,16 +24,9 @@ TEMPLATE = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
 @pytest.fixture(scope="module")
 def lone(tmp_path_factory):
     """A node of its own (2 GPUs; CT 300 and 301 given one each), which the tests change."""
-    import pvesim
-    s = pvesim.up(nodes=1, containers=(300, 301), gpus=2,
-                  state_dir=tmp_path_factory.mktemp("locks") / "state",
-                  inventory=tmp_path_factory.mktemp("locks-inv") / "hosts.yml")
+    s = lone_node(tmp_path_factory, "locks", (300, 301), 2)
     yield s
     pvesim.down(s.state_dir)
-
-
-def conf(sim, vmid):
-    return sim.state_dir / "nodes" / "pve1" / "pve" / "lxc" / f"{vmid}.conf"
 
 
 def pct(sim, command):
@@ -44,15 +39,16 @@ def running(sim, vmid):
 
 def set_lock(sim, vmid, lock):
     """Write `lock: <lock>` into the config, as a task that holds one leaves it."""
-    lines = [line for line in conf(sim, vmid).read_text().splitlines() if not line.startswith("lock:")]
+    path = container_conf(sim, vmid)
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("lock:")]
     options = sorted([line for line in lines if not line.startswith(("#", "lxc."))]
                      + ([f"lock: {lock}"] if lock else []))
-    conf(sim, vmid).write_text("\n".join([*(line for line in lines if line.startswith("#")), *options,
-                                          *(line for line in lines if line.startswith("lxc."))]) + "\n")
+    path.write_text("\n".join([*(line for line in lines if line.startswith("#")), *options,
+                               *(line for line in lines if line.startswith("lxc."))]) + "\n")
 
 
 def lock_of(sim, vmid):
-    return next((line.split(": ", 1)[1] for line in conf(sim, vmid).read_text().splitlines()
+    return next((line.split(": ", 1)[1] for line in container_conf(sim, vmid).read_text().splitlines()
                  if line.startswith("lock: ")), None)
 
 
@@ -70,11 +66,11 @@ def test_a_running_backup_locks_the_container_and_pct_refuses_in_its_words(lone)
                               stderr=subprocess.PIPE, text=True)
     try:
         assert wait_for(lambda: lock_of(lone, 300) == "backup", timeout=30)
-        before = conf(lone, 300).read_text()
+        before = container_conf(lone, 300).read_text()
         for command in ("set 300 --cores 3", "shutdown 300", "stop 300", "destroy 300"):
             res = pct(lone, command)
             assert (res.returncode, res.stderr) == (255, "CT is locked (backup)\n"), command
-        assert conf(lone, 300).read_text() == before and running(lone, 300)
+        assert container_conf(lone, 300).read_text() == before and running(lone, 300)
         assert pct(lone, "exec 300 -- true").returncode == 0  # pct.pm exec reads no lock
         rows = [row.split()[:3] for row in pct(lone, "list").stdout.splitlines()]
         assert ["300", "running", "backup"] in rows
@@ -145,7 +141,8 @@ def test_a_killed_create_leaves_lock_create_which_only_unlock_removes(lone):
     create = subprocess.Popen(["/usr/sbin/pct", "create", "302", f"local:vztmpl/{slow.name}", "--rootfs",
                                "local-lvm:4"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert wait_for(lambda: conf(lone, 302).exists() and lock_of(lone, 302) == "create", timeout=30)
+        assert wait_for(lambda: container_conf(lone, 302).exists() and lock_of(lone, 302) == "create",
+                        timeout=30)
         create.send_signal(signal.SIGKILL)
         create.wait(timeout=30)
     finally:
@@ -153,21 +150,21 @@ def test_a_killed_create_leaves_lock_create_which_only_unlock_removes(lone):
             create.kill()
             create.wait()
         slow.unlink()
-    assert conf(lone, 302).read_text() == "lock: create\n"
+    assert container_conf(lone, 302).read_text() == "lock: create\n"
     for command in ("start 302", "destroy 302", "set 302 --cores 2"):
         res = pct(lone, command)
         assert (res.returncode, res.stderr) == (255, "CT is locked (create)\n"), command
     assert pct(lone, "unlock 302").returncode == 0 and lock_of(lone, 302) is None
     again = pct(lone, "unlock 302")
     assert (again.returncode, again.stderr) == (255, "no lock found trying to remove any lock\n")
-    assert pct(lone, "destroy 302").returncode == 0 and not conf(lone, 302).exists()
+    assert pct(lone, "destroy 302").returncode == 0 and not container_conf(lone, 302).exists()
 
 
 def test_set_of_a_device_the_node_lacks_is_refused_and_nothing_written(lone):
-    before = conf(lone, 300).read_text()
+    before = container_conf(lone, 300).read_text()
     res = pct(lone, "set 300 --cores 3 --dev5 /dev/nvidia7")
     assert (res.returncode, res.stderr) == (2, "Device /dev/nvidia7 does not exist\n")
-    assert conf(lone, 300).read_text() == before
+    assert container_conf(lone, 300).read_text() == before
 
 
 def test_an_ha_managed_container_s_start_and_shutdown_only_queue_a_request(lone):

@@ -8,9 +8,11 @@ started, and no request is queued with the HA manager."""
 
 import pytest
 
+import pvesim
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import CheckFailed, Pct
 from ansible_collections.dflash.ops.plugins.modules import pct_container_check
 from ansible_collections.dflash.ops.plugins.modules.proxmox_container import ARGUMENT_SPEC, provision
+from tests.pvesim.simtools import container_conf, lone_node
 
 pytestmark = pytest.mark.sim
 
@@ -23,16 +25,9 @@ BACKUP_ADVICE = ("A backup (vzdump) of it is running: wait for it to end, then r
 @pytest.fixture(scope="module")
 def lone(tmp_path_factory):
     """A node of its own (no GPUs; CT 300 and 301), which the tests lock and unlock."""
-    import pvesim
-    s = pvesim.up(nodes=1, containers=(300, 301), gpus=0,
-                  state_dir=tmp_path_factory.mktemp("provision-locks") / "state",
-                  inventory=tmp_path_factory.mktemp("provision-locks-inv") / "hosts.yml")
+    s = lone_node(tmp_path_factory, "provision-locks", (300, 301), 0)
     yield s
     pvesim.down(s.state_dir)
-
-
-def conf(sim, vmid):
-    return sim.state_dir / "nodes" / "pve1" / "pve" / "lxc" / f"{vmid}.conf"
 
 
 def running(sim, vmid):
@@ -44,9 +39,9 @@ def node(lone):
     """CT 300 and 301 stopped and unlocked before and after each test, no HA resource."""
     def reset():
         for vmid in (300, 301):
-            lines = conf(lone, vmid).read_text().splitlines()
+            lines = container_conf(lone, vmid).read_text().splitlines()
             kept = [line for line in lines if not line.startswith("lock:")]
-            conf(lone, vmid).write_text("".join(f"{line}\n" for line in kept))
+            container_conf(lone, vmid).write_text("".join(f"{line}\n" for line in kept))
             if running(lone, vmid):
                 assert lone.ssh("pve1", f"pct stop {vmid}").returncode == 0
         (lone.state_dir / "pve" / "ha" / "resources.cfg").unlink(missing_ok=True)
@@ -57,9 +52,9 @@ def node(lone):
 
 def lock(sim, vmid, name):
     """`lock: <name>` in the config, where pve-container writes it (the options sorted)."""
-    lines = conf(sim, vmid).read_text().splitlines()
+    lines = container_conf(sim, vmid).read_text().splitlines()
     options = sorted([*(line for line in lines if not line.startswith("lxc.")), f"lock: {name}"])
-    conf(sim, vmid).write_text("".join(f"{line}\n" for line in [*options, *(line for line in lines
+    container_conf(sim, vmid).write_text("".join(f"{line}\n" for line in [*options, *(line for line in lines
                                                                            if line.startswith("lxc."))]))
 
 
@@ -82,7 +77,7 @@ def provision_fails(sim, p):
 
 def test_a_backup_lock_refuses_the_start_and_the_reconcile_and_nothing_changes(node):
     lock(node, 300, "backup")
-    before = conf(node, 300).read_text()
+    before = container_conf(node, 300).read_text()
     assert provision_fails(node, params(300)) == (
         "CT 300 on node pve1 is locked (backup): pve-container refuses pct start 300 until the lock goes, so "
         "nothing was changed. " + BACKUP_ADVICE)
@@ -93,7 +88,7 @@ def test_a_backup_lock_refuses_the_start_and_the_reconcile_and_nothing_changes(n
         "nothing was changed.")
     assert provision_fails(node, params(300, state="absent")).startswith(
         "CT 300 on node pve1 is locked (backup): pve-container refuses pct destroy 300 until")
-    assert conf(node, 300).read_text() == before and running(node, 300)
+    assert container_conf(node, 300).read_text() == before and running(node, 300)
 
 
 def test_with_nothing_to_change_provisioning_goes_on_and_says_the_lock(node):
@@ -128,7 +123,7 @@ def test_an_ha_managed_container_is_not_started_and_no_request_is_queued(node):
         "CT 301 on node pve1 is an HA resource (its HA state: stopped): pct destroy refuses it without "
         "--purge, and its shutdown would only queue a request with the HA manager, so nothing was changed. "
         "Take it out of HA first (`ha-manager remove ct:301` on the node).")
-    assert conf(node, 301).exists()
+    assert container_conf(node, 301).exists()
 
 
 def check(sim, vmid, **overrides):
