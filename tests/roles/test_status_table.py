@@ -11,12 +11,17 @@ import pytest
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
+from ansible_collections.dflash.ops.plugins.modules.run_report import run_state
+
 COLLECTION = Path(__file__).resolve().parents[2] / "ansible_collections" / "dflash" / "ops"
 TEMPLATE = COLLECTION / "playbooks" / "templates" / "status_table.j2"
 LOG = "\n".join(f'{{"event": "step", "step": {i}}}' for i in range(1, 9)) + '\n{"event": "crash"}\n'
 
 
 def render(report):
+    """The table of one container whose run_report returned `report` (run_state computed as the module does)."""
+    if report:
+        report = {**report, "run_state": run_state({"stalled": False, **report})}
     hostvars = {"ct200": {"proxmox_node": "pve1", "dflash_run_report": report}}
     variables = {"hostvars": hostvars, "ansible_play_hosts_all": ["ct200"]}
     templar = Templar(loader=DataLoader(), variables=variables)

@@ -139,6 +139,15 @@ step_age:
       rewrites), by the container's clock; null when it has none or names no time.
   returned: always
   type: int
+run_state:
+  description:
+    - The run's state as C(status.yml) shows it, one source for its table and its O(stalled_after) check.
+      V(running); V(stalled) (live, no step for over O(stalled_after)); V(stopped) (by a stop, which
+      removes the pidfile); or, when it ended without a stop, what its C(status.json) last said:
+      V(finished) (it wrote C(stopped)), V(failed) (the trainer or torchrun gave up) or V(died) (killed or
+      crashed mid-run).
+  returned: always
+  type: str
 stalled:
   description:
     - Whether the run is live, C(status.json) (written since this run started) says V(running) and
@@ -202,6 +211,16 @@ def step_age(progress, started_at, stalled_after, live, now=None):
     age = max(0, int(now - updated))
     own = started is None or updated >= started
     return age, bool(live and own and progress.get("state") == "running" and age > stalled_after)
+
+
+def run_state(result):
+    """The state status.yml shows for a report: running, stalled, stopped, finished, failed or died."""
+    if result["state"] == "running":
+        return "stalled" if result["stalled"] else "running"
+    if not result["ended"]:
+        return "stopped"
+    said = result["progress"].get("state")
+    return {"failed": "failed", "stopped": "finished"}.get(said, "died")
 
 
 def release_name(path):
@@ -270,6 +289,7 @@ def report(params):
         gpus=gpus, gpu_error=gpu_error, jobs=running_jobs(params))
     result["step_age"], result["stalled"] = step_age(result["progress"], run.get("started_at", ""),
                                                      params["stalled_after"], verdict == "live")
+    result["run_state"] = run_state(result)
     if unsafe:
         result["pidfile_unsafe"] = unsafe
     return result
