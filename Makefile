@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-APT_PKGS := lxc openssh-server sudo
+APT_PKGS := lxc openssh-server sudo logrotate
 PYTEST_ARGS ?=
 # make test's xdist workers: its tests wait on playbooks, sshd and trainers, but what they wait on runs
 # on the same cores (containers, sshd, torch), so one worker more than the cores: 4 workers on 2 cores
@@ -21,12 +21,12 @@ RELIABILITY_WORKERS ?= 3
 RELIABILITY_LONG := tests/reliability/test_decoys.py tests/reliability/test_killed_deploys.py \
   tests/reliability/test_concurrent_restarts.py
 
-.PHONY: help setup peer-suites compat-venv serve-check regenerate-check rehearsal test test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint ee-context ee bench demo demo-fleet sim-up sim-down clean
+.PHONY: help setup mlflow-server prometheus-tools peer-suites compat-venv serve-check regenerate-check rehearsal test test-prometheus test-reliability test-reliability-long test-reliability-slice test-flaky test-under-load lint ee-context ee bench demo demo-fleet sim-up sim-down clean
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## Install apt packages (lxc, openssh-server, sudo) and the pinned venv; silent when done.
+setup: $(STAMP) ## Install apt packages (lxc, openssh-server, sudo, logrotate) and the pinned venv; silent when done.
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: apt-get install$$missing"; \
@@ -67,6 +67,25 @@ test-newest: setup newest-venv ## The connection suites and tests on ansible-cor
 
 # transformers 4.57.1 (what the public DFlash code pins) beside torch 2.13.0, from the package index
 # (tests/dflash/serve/test_export_compat.py reloads an export under it; it skips while this venv is missing).
+# MLflow's tracking server (the full mlflow package: Flask, SQLAlchemy, pandas, scikit-learn, pyarrow 25; about
+# 850 MB, minutes the first time) in a venv of its own: its pyarrow pin is not .venv's. The trainer needs only
+# the client (.[mlflow], in .[dev]); tests/dflash/training/test_mlflow_tracking.py runs this server on 127.0.0.1.
+MLFLOW_SERVER_VENV := .cache/mlflow-venv
+mlflow-server: ## Build .cache/mlflow-venv, the MLflow tracking server the tests log to (silent when there).
+	@test -x $(MLFLOW_SERVER_VENV)/bin/mlflow || { echo "mlflow-server: building $(MLFLOW_SERVER_VENV)"; \
+	  rm -rf $(MLFLOW_SERVER_VENV) && python3 -m venv $(MLFLOW_SERVER_VENV) && \
+	  $(MLFLOW_SERVER_VENV)/bin/pip install -q 'mlflow==3.17.2' > $(MLFLOW_SERVER_VENV).log 2>&1 || \
+	  { cat $(MLFLOW_SERVER_VENV).log; rm -rf $(MLFLOW_SERVER_VENV); exit 1; }; }
+
+# Debian's prometheus package (prometheus and promtool, static binaries) unpacked into .cache/prometheus, never
+# installed: installing it would start a Prometheus on :9090 of the machine. tests/prometheus/tools.py finds them.
+PROMETHEUS_DIR := .cache/prometheus
+prometheus-tools: ## Unpack Debian's prometheus (promtool, prometheus) into .cache/prometheus, nothing started (silent when there).
+	@test -x $(PROMETHEUS_DIR)/usr/bin/promtool || { echo "prometheus-tools: unpacking Debian's prometheus into $(PROMETHEUS_DIR)"; \
+	  tmp=$$(mktemp -d) && chmod 755 $$tmp && \
+	  { (cd $$tmp && apt-get download -qq -o APT::Sandbox::User=root prometheus) || { apt-get update -qq && (cd $$tmp && apt-get download -qq -o APT::Sandbox::User=root prometheus); }; } && \
+	  mkdir -p $(PROMETHEUS_DIR) && dpkg-deb -x $$tmp/prometheus_*.deb $(PROMETHEUS_DIR); rc=$$?; rm -rf $$tmp; exit $$rc; }
+
 compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export tests (silent when there).
 	@python3 scripts/compat_venv.py
 
@@ -88,8 +107,18 @@ regenerate-check: setup ## Build .cache/serve-venv and check regeneration on vLL
 rehearsal: setup ## Rehearse the pipeline at Qwen3-8B's width on CPU: start, held-out, SIGTERM, resume, export (heavy).
 	$(PY) -m pytest -m rehearsal tests/rehearsal -s $(PYTEST_ARGS)
 
-test: setup peer-suites ## The test suite (unit, pvesim, roles, playbooks, one molecule scenario, reliability's fast subset).
+test: setup peer-suites mlflow-server prometheus-tools ## The test suite (unit, pvesim, roles, playbooks, one molecule scenario, reliability's fast subset).
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# A real Prometheus (Debian's binary, on loopback) scrapes node_exporter in a pvesim container whose run writes
+# its metrics; the run frozen, the stalled-run alert fires and resolves (tests/prometheus/test_prometheus_alerts.py,
+# about 3 minutes). make test runs the fast case: promtool's rule tests and the textfile's format.
+# pvesim's containers run the machine's own system, which is where provision.yml finds the container's
+# prometheus-node-exporter (their network reaches no package mirror): installed here when missing.
+test-prometheus: setup prometheus-tools ## A real Prometheus scrapes a pvesim run: the stalled-run alert fires on a frozen run, resolves after.
+	@dpkg -s prometheus-node-exporter >/dev/null 2>&1 || { echo "test-prometheus: apt-get install prometheus-node-exporter"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-node-exporter >/dev/null; }
+	$(PY) -m pytest -m prometheus -rP tests/prometheus $(PYTEST_ARGS)
 
 test-reliability: setup peer-suites ## The reliability suite at docs/RELIABILITY.md's counts and what make test leaves out, less the long trials.
 	DFLASH_RELIABILITY_FULL=1 $(PY) -m pytest -n $(RELIABILITY_WORKERS) --dist loadfile -rP \

@@ -17,7 +17,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("hidden_states", "target_capture", "heldout_capture", "attention", "drafter_rank", "pipeline",
-         "members", "restart_cycle", "fleet", "drafter_step", "feature_cache")
+         "members", "restart_cycle", "fleet", "drafter_step", "drafter_kernels", "feature_cache",
+         "checkpoint_write")
 
 
 def run_one(name: str, extra: list[str]) -> dict:

@@ -1,6 +1,7 @@
 """The GPU check for one CUDA GPU, in one command: `python3 -m benchmarks.gpu_check --out DIR`.
 
-Six parts, each in its own process where it measures memory, on cuda:0:
+Six parts, each in its own process where it measures memory, on cuda:0, in this order of letters (they
+run in the order of value, `gpu_check_plan.ORDER`):
 
 a. the drafter step at the paper's shape and Qwen3-8B's width (5 layers, one sequence of 3072
    tokens with 512 anchors, blocks of 16, H 4096, vocabulary 151936; bf16 autocast over fp32
@@ -27,11 +28,19 @@ f. the recipe's drafter step by attention backend (`benchmarks.drafter_speed`): 
    beside the prediction, new torch.compile graphs after warm-up (the goal: none), the speed-up, and
    SpecForge's published samples/s beside them. Alone (`--parts drafter_speed`) about 3 minutes.
 
-It prints one table and a JSON line and writes both to `--out` (`gpu_check.txt`, `gpu_check.json`);
-exit 0 when every part passed. One GPU cannot show nccl between ranks, DDP's all-reduce, or the
-target and drafter ranks on separate GPUs: those need the multi-GPU pipeline test on >= 2 GPUs.
-`--dry-run` runs the same code on CPU at a tiny width, so that the check is known to work before a
-GPU sees it (`tests/dflash/test_gpu_check.py`); `--parts` runs some parts only.
+Part f's tiles row is a part of its own, `tiles_speed`, run only when named (measured already).
+
+It fits one 10-minute call (`benchmarks.gpu_check_plan`): the toolchain first (Triton, and a C compiler
+that builds a Python extension as Triton's launcher is built), exiting 1 with what is missing before any
+part; then the parts most valuable first, each started only when its estimated seconds fit what is left of
+`--budget` (540 s by default), the others reported as left out.
+
+It prints one table and a JSON line and writes both to `--out` (`gpu_check.txt`, `gpu_check.json`,
+rewritten after every part); exit 0 when every part run passed. One GPU cannot show nccl between ranks,
+DDP's all-reduce, or the target and drafter ranks on separate GPUs: those need the multi-GPU pipeline
+test on >= 2 GPUs. `--dry-run` runs every part on CPU at a tiny width (no CUDA; the parts that run in a
+process of their own on a GPU run in this one), so that the check is known to work before a GPU sees it
+(`tests/dflash/test_gpu_check.py`, in make test); `--parts` runs some parts only.
 """
 
 from __future__ import annotations
@@ -51,8 +60,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.drafter_speed import speed_part, table_rows
-from benchmarks.drafter_step import measure_in_subprocess
+from benchmarks import gpu_check_plan as plan
+from benchmarks.drafter_speed import speed_part, table_rows, with_speedup
+from benchmarks.drafter_step import measure_in_subprocess, measure_one
 from benchmarks.memory import peak_allocated_bytes, peak_rss_bytes
 from dflash_ops.core.config import (
     DEFAULT_LOSS_CHUNK_SIZE,
@@ -88,7 +98,9 @@ def drafter_part(mode: str, device: str) -> dict:
              "warmup_anchors": DRAFTER_SHAPE[mode]["anchors"] if full else 4}
     rows = {}
     for name, chunk in (("unchunked", None), ("chunked", DEFAULT_LOSS_CHUNK_SIZE)):
-        r = measure_in_subprocess({**shape, "chunk_size": chunk}, device, threads=os.cpu_count() or 1)
+        one = {**shape, "chunk_size": chunk}
+        r = measure_one(one, torch.device(device)) if mode == "dry" else \
+            measure_in_subprocess(one, device, threads=os.cpu_count() or 1)
         rows[name] = {"samples_per_s": r["samples_per_s"], "peak_gib": r["peak_gib"], "loss": r["loss"]}
     rows["peak_ratio"] = round(rows["chunked"]["peak_gib"] / rows["unchunked"]["peak_gib"], 3)
     rows["time_ratio"] = round(rows["unchunked"]["samples_per_s"] / rows["chunked"]["samples_per_s"], 3)
@@ -305,6 +317,10 @@ def recipe_part(mode: str, device: str) -> dict:
 
 
 def run_part_in_subprocess(part: str, mode: str, device: str) -> dict:
+    """A part in a process of its own (its peak its own); the dry run's in this one (it only shows that the
+    code runs, and a process's imports cost more CPU than its tiny shapes)."""
+    if mode == "dry":
+        return CHILD_PARTS[part](mode, device)
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part, "--mode", mode, "--device", device]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
     if done.returncode != 0:
@@ -317,12 +333,14 @@ def gpu_tests_part(mode: str, device: str) -> dict:
         import pytest  # noqa: F401
     except ImportError:
         return {"status": "not run: pytest is not installed in this Python"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/dflash"]
     # tests/conftest.py and tests/pipeline/conftest.py import pvesim's fleet (ansible_runner), which a GPU
     # machine's Python may lack: then the trainer's GPU tests run without them (the pipeline's GPU test
-    # needs 2 GPUs and skips on one anyway).
+    # needs 2 GPUs and skips on one anyway). Only the files that mark a test gpu are collected.
     fleet = importlib.util.find_spec("ansible_runner") is not None
-    cmd += ["tests/pipeline"] if fleet else ["--confcutdir", "tests/dflash"]
+    files = [str(path.relative_to(ROOT)) for folder in ("tests/dflash", "tests/pipeline")[:1 + fleet]
+             for path in sorted((ROOT / folder).rglob("test_*.py")) if "mark.gpu" in path.read_text()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
+    cmd += [] if fleet else ["--confcutdir", "tests/dflash"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
     summary = (done.stdout.strip().splitlines() or [""])[-1].strip("= ")
     # pytest exits 5 when every test was deselected; on CPU the selected ones skip (exit 0).
@@ -438,41 +456,50 @@ def path_rows(part: dict, paths: tuple[str, ...], rate: str, width: int) -> list
 def table(results: dict, header: str) -> str:
     lines = [header]
     a = results.get("drafter_step", {"error": ""})
-    if "error" not in a:
+    if measured(a):
         lines += [f"a. drafter step ({a['shape']}; peak: weights, AdamW state and activations)"]
         lines += path_rows(a, ("unchunked", "chunked"), "samples_per_s", 10)
         lines += [f"   chunked/unchunked: peak {a['peak_ratio']}x, time {a['time_ratio']}x",
                   f"   reference: {a['reference']}"]
     b = results.get("target_capture", {"error": ""})
-    if "error" not in b:
+    if measured(b):
         lines += [f"b. target capture ({b['shape']}, bf16, batch {b['batch']}; peak above the weights)"]
         lines += path_rows(b, ("whole_batch", "rows_per_pass_1"), "tokens_per_s", 16)
     c = results.get("gpu_tests", {"error": ""})
-    if "error" not in c:
+    if measured(c):
         lines += [f"c. pytest -m gpu: {c.get('summary', c.get('status'))}"]
     d = results.get("training", {"error": ""})
-    if "error" not in d:
+    if measured(d):
         lines += [f"d. training on {d['device']}: {d['steps']} steps, {d['stop']} at step {d['stopped_at']}, "
                   f"resumed; losses equal: {d['losses_equal']} (max rel diff {d['max_rel_loss_diff']:.1e})"]
     e = results.get("recipe", {"error": ""})
-    if "error" not in e:
+    if measured(e):
         lines += [f"e. the recipe's drafter rank (configs/qwen3-8b.yaml: {e['shape']}; {e['peak_scope']})",
                   f"   {'phase':>12} | {'peak GiB':>8} | {'predicted GiB':>13} | {'seconds':>7}"]
         lines += [f"   {name:>12} | {e[name]['peak_gib']:>8} | {str(e[name]['predicted_gib']):>13} | "
                   f"{e[name]['seconds']:>7}" for name in ("drafter_step", "heldout")]
-    f = results.get("drafter_speed", {"error": ""})
-    if "error" not in f:
-        lines += table_rows(f)
+    speed = {k: v for name in ("drafter_speed", "tiles_speed") if measured(results.get(name))
+             for k, v in results[name].items()}
+    if speed:
+        lines += table_rows(with_speedup(speed))
     lines += [f"{name}: FAILED: {(r['error'].splitlines() or [''])[0][:300]}"
               for name, r in results.items() if "error" in r]
+    lines += [f"{name}: {r['left_out']}" for name, r in results.items() if "left_out" in r]
+    lines += ["seconds by part (estimated on an H200): " + ", ".join(
+        f"{name} {r['seconds']} ({plan.ESTIMATED_S[name]})" for name, r in results.items() if "seconds" in r)]
     lines += [NOT_SHOWN]
     return "\n".join(lines)
+
+
+def measured(result: dict | None) -> bool:
+    return result is not None and "error" not in result and "left_out" not in result
 
 
 PARTS = {"drafter_step": drafter_part, "target_capture": lambda mode, device: run_part_in_subprocess(
     "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part,
          "recipe": lambda mode, device: run_part_in_subprocess("recipe", mode, device),
-         "drafter_speed": speed_part}
+         "drafter_speed": lambda mode, device: speed_part(mode, device, ("auto",)),
+         "tiles_speed": lambda mode, device: speed_part(mode, device, ("tiles",))}
 CHILD_PARTS = {"capture": capture_part, "recipe": recipe_part}
 
 
@@ -482,8 +509,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=False, help="directory for gpu_check.txt and gpu_check.json")
     parser.add_argument("--dry-run", action="store_true",
                         help="on CPU at a tiny width (before a GPU sees it)")
-    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS),
-                        help="the parts to run (default: all)")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS),
+                        default=[p for p in PARTS if p not in plan.OFF_UNLESS_NAMED],
+                        help="the parts to run, in the order of value whatever the order given (default: all "
+                             "but tiles_speed, the tiles row, measured already)")
+    parser.add_argument("--budget", type=float, metavar="SECONDS",
+                        help=f"start a part only when its estimated seconds fit what is left (default: "
+                             f"{plan.DEFAULT_BUDGET_S:g} on a GPU, none on the dry run)")
     parser.add_argument("--part", choices=list(CHILD_PARTS), help=argparse.SUPPRESS)  # a child's part
     parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -494,35 +526,56 @@ def main(argv=None) -> int:
     if not args.out:
         parser.error("--out DIR is required")
     mode, device = ("dry", "cpu") if args.dry_run else ("full", "cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device is visible (torch {torch.__version__}); nothing was measured. "
-              "--dry-run runs the check on CPU at a tiny width.", file=sys.stderr)
-        return 1
+    budget = args.budget if args.budget is not None or args.dry_run else plan.DEFAULT_BUDGET_S
     started = time.monotonic()
+    # Before any part: what the GPU's parts need, in seconds, all of it said at once.
+    tools = plan.toolchain(need_triton=device == "cuda")
+    problems = list(tools["problems"]) if device == "cuda" else []
+    if device == "cuda" and not torch.cuda.is_available():
+        problems.insert(0, f"no CUDA device is visible (torch {torch.__version__}); --dry-run runs the check "
+                           "on CPU at a tiny width")
+    if problems:
+        print("gpu_check: nothing was measured:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 1
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run, tiny width)"
     header = (f"gpu_check {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {name}; "
               f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    header += f"\ntoolchain: Triton {tools['triton'] or 'not found'}; C compiler {tools['compiler']}" + \
+        "".join(f"\n  note: {note}" for note in tools["notes"])
     print(header, flush=True)
     results = {}
-    for part, fn in ((chosen, PARTS[chosen]) for chosen in args.parts):
+    for part in plan.ordered(dict.fromkeys(args.parts)):
+        why = plan.fits(part, time.monotonic() - started, budget)
+        if why:
+            results[part] = {"left_out": why}
+            print(f"{part}: {why}", flush=True)
+            continue
         part_started = time.monotonic()
         try:
-            results[part] = fn(mode, device)
+            results[part] = PARTS[part](mode, device)
         except Exception as exc:  # one part's failure must not hide the others' figures
             results[part] = {"error": "".join(traceback.format_exception_only(exc)).strip()}
         results[part]["seconds"] = round(time.monotonic() - part_started, 1)
         print(f"{part}: done in {results[part]['seconds']} s", flush=True)
-    ok = all("error" not in r and passed(p, r, device) for p, r in results.items())
+        record, text = write_results(args, name, header, tools, budget, started, results, device)
+    record, text = write_results(args, name, header, tools, budget, started, results, device)
+    print(text)
+    print(json.dumps(record))
+    return 0 if record["ok"] else 1
+
+
+def write_results(args, name, header, tools, budget, started, results, device) -> tuple[dict, str]:
+    """gpu_check.txt and gpu_check.json as far as the check got: written after every part, so that a call
+    cut short returns what it measured."""
+    ok = all(measured(r) and passed(p, r, device) for p, r in results.items() if "left_out" not in r)
     text = table(results, header)
-    record = {"device": name, "dry_run": args.dry_run, "ok": ok,
+    record = {"device": name, "dry_run": args.dry_run, "ok": ok, "budget_s": budget, "toolchain": tools,
               "seconds": round(time.monotonic() - started, 1), "not_shown": NOT_SHOWN, **results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.txt").write_text(text + "\n")
     (out / "gpu_check.json").write_text(json.dumps(record) + "\n")
-    print(text)
-    print(json.dumps(record))
-    return 0 if ok else 1
+    return record, text
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/gpu_check.sh              # PYTHON=<python> to choose the interpreter
 #   bash benchmarks/gpu_check.sh --dry-run    # the same code on CPU at a tiny width
+#   bash benchmarks/gpu_check.sh --budget 480 # the parts by value that fit 480 s (default 540: one call)
+#
+# It checks Triton and a C compiler first and exits 1 naming what is missing before any part runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -25,12 +25,15 @@ Reference row: the seeds' hand ritual, scripted against the same container: ssh 
 changed file to the node's /root, and a start with `nohup ... &`. It is fast because it checks
 nothing; what it leaves unverified is listed next to it, with what this benchmark observed.
 
-The GPU idle window of each restart: from the old run's last training step to the new run's first
-(its log's `step` events), split into the trainer's own stop, its own start and Ansible's share (the
-rest: the wait from the last step to the SIGTERM, the stop task's return, the GPU idle check, the start
-task's connection). The restart does its deploy steps while the old run still trains, so they are
-outside the window. (The stop's `seconds` come from the task that stopped: a stop of its own, or this
-tree's one call that stops, checks the GPUs idle under the run's lock and starts.)
+The GPU idle window of each restart: from the old run's stop request (the SIGTERM, its `stop` line's
+`signalled_at`) to the new run's first training step, split into the trainer's own stop, its own start
+and Ansible's share (the rest: the pidfile's removal, the GPU idle check and the spawn, between the old
+run's exit and the new one's start). Until the SIGTERM the old run trains: the time from its last `step`
+line to the signal is its step in progress (in the sim, its `run.step_delay` pause, 2 s, standing for a
+step's compute, which the signal cuts short), reported beside the window, not in it. The restart does
+its deploy steps while the old run still trains, so they are outside the window. (The stop's `seconds`
+come from the task that stopped: a stop of its own, or this tree's one call that stops, checks the GPUs
+idle under the run's lock and starts.)
 
 Targets (this tree): Ansible's part of a restart <= 10 s; Ansible's share of the idle window <= 0.3 s;
 a no-change deploy <= 6 s with changed=0.
@@ -123,8 +126,12 @@ def measure_restart(fleet, vmid, keep_json, i, tree) -> dict:
     last_ckpt = next((e for e in reversed(old) if e.get("event") == "checkpoint"), None)
     stop_event = next((e for e in reversed(old) if e.get("event") == "stop"), None)
     last_old_step = next((e for e in reversed(old) if e.get("event") == "step"), None)
-    # The GPUs' idle window: the old run's last training step to the new run's first.
-    window = (step["time"] - last_old_step["time"]) if step and last_old_step else None
+    # The GPUs' idle window: from the old run's stop request (its `stop` line's `signalled_at`: until then
+    # it trains, the sim's step pause standing for a step's compute, which the SIGTERM cuts short) to the
+    # new run's first step; without that field, from the old run's last training step.
+    signalled = (stop_event or {}).get("signalled_at")
+    since = signalled or (last_old_step or {}).get("time")
+    window = (step["time"] - since) if step and since else None
     cats = simbench.summarize_categories(res.tasks)
     stop_s = float(stop.get("seconds", 0.0))
     settle = sum(r.seconds for r in res.tasks if r.ran and r.action == "ansible.builtin.pause")
@@ -135,6 +142,12 @@ def measure_restart(fleet, vmid, keep_json, i, tree) -> dict:
         "ansible_s": round(wall - stop_s - (trainer_start or 0.0), 2),
         "settle_pause_s": round(settle, 2),
         "idle_window_s": round(window, 2) if window is not None else None,
+        "idle_from": "signal" if signalled else "last step",
+        # The new run's first step, torch.compile included where it compiles (its cache kept warm).
+        "first_step_s": step.get("first_step_seconds") if step else None,
+        # The old run's last step to the SIGTERM: training (a real run's step in progress), not idle.
+        "step_in_progress_s": (round(signalled - last_old_step["time"], 2)
+                               if signalled and last_old_step else None),
         # What of the window is neither the trainer's stop nor its start: Ansible's share.
         "idle_ansible_s": (round(window - stop_s - trainer_start, 2)
                            if window is not None and trainer_start is not None else None),
@@ -261,7 +274,7 @@ def parse_args(argv):
 def medians(restarts, noops) -> dict:
     med = {k: median([r[k] for r in restarts]) for k in
            ("wall_s", "trainer_stop_s", "trainer_start_s", "ansible_s", "settle_pause_s", "idle_window_s",
-            "idle_ansible_s")}
+            "idle_ansible_s", "step_in_progress_s", "first_step_s")}
     med["noop_wall_s"] = median([n["wall_s"] for n in noops])
     med["noop_changed"] = max(n["changed"] for n in noops)
     return med
@@ -278,6 +291,9 @@ def main(argv=None) -> int:
     try:
         print(f"deploy.yml to CT {vmid} (first deploy: venv, release, run) ...", flush=True)
         first_s, _ = simbench.timed_play(fleet, "deploy.yml")
+        # The first run's first step: a cold compile cache (later starts find it in the run's output dir).
+        cold_step = next((e for e in events(fleet, vmid) if e.get("event") == "step"), {}).get(
+            "first_step_seconds")
         restarts, noops = {label: [] for label in labels}, {label: [] for label in labels}
         # The trees take turns on the same run: each restart stops the run the other one started.
         for i in range(args.repeats):
@@ -351,14 +367,20 @@ def main(argv=None) -> int:
         category_table(f"restart_training.yml, {label}", restarts[label])
         category_table(f"deploy.yml, nothing changed, {label}", noops[label])
 
-    print("\nGPU idle window of a restart (the old run's last training step to the new run's first), "
-          "medians:")
+    print("\nGPU idle window of a restart (the old run's stop request, its SIGTERM, to the new run's first "
+          "training step), medians:")
     for label in labels:
         m = med[label]
         print(f"  {label}: {m['idle_window_s']} s = trainer stop {m['trainer_stop_s']} s + trainer start "
               f"{m['trainer_start_s']} s + Ansible's share {m['idle_ansible_s']} s "
               f"(per restart: {[r['idle_window_s'] for r in restarts[label]]}, Ansible's share "
-              f"{[r['idle_ansible_s'] for r in restarts[label]]})")
+              f"{[r['idle_ansible_s'] for r in restarts[label]]}; from {restarts[label][0]['idle_from']}); "
+              f"before it, the old run's step in progress at the SIGTERM {m['step_in_progress_s']} s "
+              f"(the sim's step pause, training: {[r['step_in_progress_s'] for r in restarts[label]]})")
+    warm = ", ".join(f"{label} {med[label]['first_step_s']} s" for label in labels)
+    print(f"  the first training step (inside the trainer's start): the first run's {cold_step} s (a cold "
+          f"compile cache), after a restart (median) {warm} (warm: the cache kept in the run's output dir); "
+          "on CPU nothing is compiled: this is the eager first step, cold and warm alike")
     this = med[labels[-1]]
     if len(labels) > 1 and this["idle_ansible_s"] is not None and med[labels[0]]["idle_ansible_s"]:
         print(f"  Ansible's share, {labels[-1]} / {labels[0]}: "
@@ -377,7 +399,7 @@ def main(argv=None) -> int:
     print(json.dumps({
         "benchmark": "restart_cycle", "cpus": os.cpu_count(),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "vmid": vmid, "repeats": args.repeats,
-        "first_deploy_s": round(first_s, 1),
+        "first_deploy_s": round(first_s, 1), "first_step_cold_s": cold_step,
         "trees": {label: {**med[label], "restarts": restarts[label], "noop_deploys": noops[label]}
                   for label in labels},
         "hand_ritual": ({"wall_s": median([r["wall_s"] for r in rituals]), "runs": rituals}

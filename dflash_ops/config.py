@@ -10,7 +10,12 @@ shard (`dflash_ops.data.feature_cache`, imported only then: the check of a plain
 rank's predicted peak memory (`dflash_ops.training.memory_fit`) is checked against the memory of the GPUs it
 gets: nvidia-smi's where it runs (a cuda layout with the machine checks on), or `--gpu-memory` offline.
 A cuda layout with the machine checks on also needs a torch built for a CUDA version the driver runs
-(`dflash_ops.core.cuda_build`: torch's CPU build or a newer CUDA major is refused, a newer minor is noted)."""
+(`dflash_ops.core.cuda_build`: torch's CPU build or a newer CUDA major is refused, a newer minor is noted).
+It prints what the run will cost, before anything is stopped: samples/s and GPU-hours of the whole run
+(`dflash_ops.run.balance.RunCost`), modelled from the shapes and the one measured drafter step, or measured
+(`--measured`: a run's balance line, a GPU check's drafter step).
+A config that names an MLflow server (`run.mlflow_uri`, `run.report_to: [mlflow]`) needs MLflow's client in
+this venv (`dflash_ops.training.mlflow_tracking.check_installed`), machine checks or not."""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from dflash_ops.core.config import SECTIONS, ConfigError, TrainConfig, load_conf
 from dflash_ops.core.sections import type_name
 from dflash_ops.data.data_manifest import check_thinking_mode
 from dflash_ops.run import balance
-from dflash_ops.training import memory_fit
+from dflash_ops.training import memory_fit, mlflow_tracking
 
 NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
 
@@ -109,6 +114,23 @@ def check_memory(cfg: TrainConfig, gpus: dict[int, int] | None, terms: bool = Fa
     return "\n".join([memory_fit.summary(peaks, by_role), *(p.table() for p in peaks if terms)])
 
 
+def run_cost(cfg: TrainConfig, shape: memory_fit.TargetShape | None, measured: str | None
+             ) -> balance.RunCost | None:
+    """The run's samples/s and GPU-hours: from `measured` (a file with measured step times) when given, else
+    modelled from the shapes (`balance.modelled_cost`, a cuda layout whose target shape was read); None
+    when there is nothing to say it from or the run's length is not known (optim.epochs, data not counted)."""
+    try:
+        balance.run_samples(cfg)  # optim.epochs over data not counted (--no-target-check): no length
+    except ConfigError:
+        return None
+    if measured is not None:
+        try:
+            return balance.measured_cost(cfg, measured, shape)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("--measured", str(exc)) from None
+    return None if shape is None else balance.modelled_cost(cfg, shape)
+
+
 def reference() -> str:
     """Every key of the config, section by section, as YAML with each key's type (generated from the
     config's dataclasses; docs/CONTRACTS.md says what each one means)."""
@@ -145,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--gpu-memory", metavar="SIZE",
                           help="check each rank's predicted peak against GPUs of this size (141GiB, 80GB, "
                                "81559MiB; a bare number is GiB) instead of nvidia-smi's")
+    validate.add_argument("--measured", metavar="FILE",
+                          help="the run's cost from measured step times instead of the model: a run's "
+                               "status.json or log (its balance line), or a GPU check's gpu_check.json")
     validate.add_argument("--memory-terms", action="store_true",
                           help="when the memory check runs and fits, print each rank's predicted peak term "
                                "by term")
@@ -158,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     args.config = config_path
     try:
         cfg = load_config(config_path, check_target=not args.no_target_check, overrides=overrides)
+        mlflow_tracking.check_installed(cfg.run)  # the venv that runs it, whatever --no-target-check says
         if not args.no_target_check:
             check_thinking_mode(cfg)
             check_features(cfg)
         cuda = check_cuda_build(cfg, machine=not args.no_target_check)
         fit = check_memory(cfg, gpu_memory(cfg, args.gpu_memory, machine=not args.no_target_check),
                            terms=args.memory_terms)
-        split = None if args.no_target_check else balance.predicted_advice(cfg, memory_fit.TargetShape.read(
-            cfg.model.target_path))
+        shape = None if args.no_target_check else memory_fit.TargetShape.read(cfg.model.target_path)
+        split = None if shape is None else balance.predicted_advice(cfg, shape)
+        cost = run_cost(cfg, shape, args.measured)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "config": str(args.config), "key": exc.key, "message": exc.message,
@@ -181,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                           **({"memory": fit} if fit else {}), **({"cuda": cuda} if cuda else {}),
                           **({"data": counts.as_fields()} if counts else {}),
                           **({"split": split.fields(*split.waits(), "FLOP")} if split else {}),
+                          **({"cost": cost.fields()} if cost else {}),
                           **({"warning": warning} if warning else {})}))
     else:
         if warning:
@@ -188,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         line, _, terms = (fit or "").partition("\n")
         print(f"{args.config}: ok" + (f" ({line})" if line else "") + (f"\n{terms}" if terms else "")
               + (f"\n{cuda}" if cuda else "")
-              + (f"\n{balance.predicted_line(split)}" if split else ""))
+              + (f"\n{balance.predicted_line(split)}" if split else "")
+              + (f"\n{cost.line(balance.run_plan(cfg))}" if cost else ""))
     return 0
 
 

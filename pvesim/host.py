@@ -18,6 +18,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +36,10 @@ PVE_TOOLS_MARKER = "pve tools for pvesim"
 # Where each node's tools (its nvidia-smi) live: a node user must be able to run them, and a sim's state
 # dir may sit under a directory only root can enter (pytest's /tmp/pytest-of-root).
 NODE_TOOLS = RUN_DIR / "nodes"
+# Each sim's root authorized_keys, in a directory of its own (root's, 0700) on a path no other user may
+# write: the nodes' sshd runs with StrictModes, which refuses a key file under a group- or world-writable
+# directory, /tmp (1777) included (OpenSSH misc.c safe_path()), where a state dir may be.
+KEYS = RUN_DIR / "keys"
 # The pct of each installing package, copied where any user can read it (a checkout may sit in root's 0700
 # home): /usr/sbin/pct runs it outside a node session, or for a user who cannot read provision.json, and
 # it answers help and `please run as root` as the real pct does.
@@ -53,6 +58,69 @@ class SimError(RuntimeError):
 def sim_tag(state_dir):
     """A short name for one sim, unique per state dir (used in cgroup paths and registry entries)."""
     return hashlib.sha1(str(state_dir).encode()).hexdigest()[:10]
+
+
+def keys_dir(state_dir):
+    """The directory of one sim's root authorized_keys (KEYS), made root's with mode 0700 when missing and
+    each directory above it root's and writable by root alone."""
+    path = KEYS / sim_tag(state_dir)
+    for directory in (RUN_DIR, KEYS):
+        directory.mkdir(mode=0o755, exist_ok=True)
+        os.chown(directory, 0, 0)
+        directory.chmod(0o755)
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chown(path, 0, 0)
+    path.chmod(0o700)
+    return path
+
+
+def state_dir_problem(state_dir, made_here=False):
+    """Why `state_dir` must not hold a sim's state (its client key, its containers' roots, what root's pct
+    and sshd read), or None: it must be root's with mode 0700 (pvesim makes it so), and each directory above
+    it root's and writable by root alone, or sticky (/tmp: only an entry's owner may rename it). A
+    directory another user made, or could replace, would let that user read the sim's key or give its
+    root sessions files of their own."""
+    path = Path(state_dir)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid != 0 or stat.S_IMODE(info.st_mode) != 0o700:
+        mode = stat.S_IMODE(info.st_mode)
+        return (f"{path} is owned by uid {info.st_uid} with mode {mode:04o}, not root's with mode 0700"
+                f"{'' if made_here else ' (pvesim makes its state dir so)'}")
+    for parent in path.parents:
+        above = parent.lstat()
+        if above.st_uid != 0:
+            return f"{path} is in {parent}, owned by uid {above.st_uid}, who could replace it"
+        if above.st_mode & 0o022 and not above.st_mode & stat.S_ISVTX:
+            return (f"{path} is in {parent}, which users other than root may write to (mode "
+                    f"{stat.S_IMODE(above.st_mode):04o}) and so replace it")
+    return None
+
+
+def ensure_state_dir(state_dir):
+    """Make `state_dir` (root's, mode 0700; missing parents 0755) or refuse the one that is there when
+    state_dir_problem finds something against it; SimError names the fix."""
+    path = Path(state_dir)
+    made = False
+    if not path.exists() and not path.is_symlink():
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        old = os.umask(0o077)
+        try:
+            path.mkdir(mode=0o700)
+        finally:
+            os.umask(old)
+        made = True
+    problem = state_dir_problem(path, made)
+    if problem:
+        raise SimError(f"state dir refused: {problem}. Another user could read the sim's key or have its "
+                       f"root sessions use files of their own. Name a state dir that pvesim makes (a path "
+                       f"that does not exist yet, under directories only root may write), or remove this one "
+                       f"(python -m pvesim down --state-dir {path}) and bring the sim up again.")
+    return path
 
 
 @contextlib.contextmanager

@@ -148,8 +148,9 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 PermitRootLogin prohibit-password
-# The state dir may live under a world-writable /tmp.
-StrictModes no
+# As a stock node's: key files and their directories root's (or the user's) and not group/world-writable
+# (OpenSSH misc.c safe_path()); root's authorized_keys is in pvesim's root-only keys dir, not the state dir.
+StrictModes yes
 UseDNS no
 PrintMotd no
 PrintLastLog no

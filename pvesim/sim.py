@@ -84,7 +84,9 @@ class Sim:
 
     @property
     def authorized_keys(self):
-        return self.state_dir / "authorized_keys"
+        """Root's authorized_keys of the sim's nodes: in a root-only directory outside the state dir, which
+        may be under /tmp, where the nodes' sshd (StrictModes) would refuse it (host.KEYS)."""
+        return host.keys_dir(self.state_dir) / "authorized_keys"
 
     @property
     def known_hosts(self):
@@ -234,6 +236,9 @@ def _node_files(sim_or_dir, name):
 def load(state_dir=DEFAULT_STATE_DIR):
     """The sim whose state is in `state_dir`; SimError if none was brought up there."""
     path = Path(state_dir).resolve() / STATE_FILE
+    problem = host.state_dir_problem(path.parent)
+    if problem:  # what another user wrote there names no process of root's to stop and no path to remove
+        raise SimError(f"the state dir is not trusted: {problem}")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -362,6 +367,7 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
     layout = gpu_layout(split_containers(containers, nodes), gpus, gpu_passthrough)
     modes = compute_apps_by_node([f"pve{i + 1}" for i in range(nodes)], compute_apps)
     with host.machine_lock():
+        host.ensure_state_dir(state_dir)  # before anything in it is read or written
         if (state_dir / STATE_FILE).exists():
             current = load(state_dir)
             same = ([n.containers for n in current.nodes] == split_containers(containers, nodes)
@@ -395,7 +401,7 @@ def up(nodes=1, containers=(200,), gpus=8, state_dir=DEFAULT_STATE_DIR, inventor
 def _up_locked(nodes, containers, gpus, state_dir, inventory, layout, modes, node_user, network,
                sudo_rule=None, nvswitch=False, gpu_generation="hopper"):
     tag = host.sim_tag(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    host.ensure_state_dir(state_dir)
     sim = Sim(state_dir=state_dir, gpus=gpus, inventory_path=inventory, tag=tag, passthrough=layout,
               compute_apps=modes, node_user=node_user, network=network, sudo_rule=sudo_rule,
               nvswitch=nvswitch, gpu_generation=gpu_generation,
@@ -545,6 +551,7 @@ def _down_locked(state_dir):
     host.remove_cgroups(host.sim_tag(state_dir))
     host.remove_system_known_hosts(state_dir)
     shutil.rmtree(host.node_tools_dir(state_dir), ignore_errors=True)
+    shutil.rmtree(host.KEYS / host.sim_tag(state_dir), ignore_errors=True)
     host.remove_sudo_rules(state_dir)
     if sim and sim.node_user:
         host.unauthorize_node_user(state_dir, sim.node_user)

@@ -60,11 +60,12 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `reliability_full`, wherever they are, run only under `make test-reliability`
     (DFLASH_RELIABILITY_FULL=1), which selects them with the suite under tests/reliability, or when
     `-m reliability_slice` selects them as a case of the slice (`make test-reliability-slice`); tests
-    marked `serve` (or `rehearsal`) only when `-m` names them (`make serve-check`, `make rehearsal`),
-    never in a plain run (make test)."""
+    marked `serve` (or `rehearsal`, `prometheus`) only when `-m` names them (`make serve-check`, `make
+    rehearsal`, `make test-prometheus`), never in a plain run (make test)."""
     skip_full = pytest.mark.skip(reason="full reliability suite only (make test-reliability)")
     skip_serve = pytest.mark.skip(reason="heavy (vLLM engines): runs under `make serve-check` (-m serve)")
     skip_rehearsal = pytest.mark.skip(reason="heavy (Qwen3-8B's width, GiBs): runs under `make rehearsal`")
+    skip_prometheus = pytest.mark.skip(reason="a real Prometheus end to end: runs under make test-prometheus")
     selected = config.getoption("markexpr") or ""
     # The playbook files first (each deploys fleets of its own: the longest), then the other files that
     # use sims, then the other slow ones, then the rest, each file's tests in their order: xdist hands
@@ -83,6 +84,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_full)
         if "serve" not in selected and item.get_closest_marker("serve"):
             item.add_marker(skip_serve)
+        if "prometheus" not in selected and item.get_closest_marker("prometheus"):
+            item.add_marker(skip_prometheus)
         if "rehearsal" not in selected and item.get_closest_marker("rehearsal"):
             item.add_marker(skip_rehearsal)
 

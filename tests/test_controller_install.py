@@ -56,7 +56,8 @@ def test_pip_resolves_the_controller_extra_without_the_trainer():
 
 
 def test_dev_gets_the_controller_and_the_trainer_and_the_trainer_pins_match_the_containers():
-    assert "dflash-ops[controller,trainer]" in EXTRAS["dev"]
+    # dev: the controller, the trainer and the trainer's optional MLflow client (its tests log to a server).
+    assert "dflash-ops[controller,trainer,mlflow]" in EXTRAS["dev"]
     trainer = {name(r): r for r in EXTRAS["trainer"]}
     containers = yaml.safe_load(CONTAINER_GROUP_VARS.read_text())["dflash_env_requirements"]
     for requirement in containers:

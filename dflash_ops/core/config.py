@@ -19,6 +19,7 @@ import yaml
 
 from dflash_ops.core import data_rows, token_store
 from dflash_ops.core.devices import visible_devices
+from dflash_ops.core.loss_section import LossConfig
 from dflash_ops.core.mask_token import mask_token_problem
 from dflash_ops.core.safe_paths import output_dir_problem
 from dflash_ops.core.sections import (  # noqa: F401 (re-exported: the config's names live in dflash_ops.core.config)
@@ -44,6 +45,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=lambda: RunConfig(output_dir="runs/main"))
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    loss: LossConfig = field(default_factory=LossConfig)  # dflash_ops.core.loss_section
     # Not a key of the file: data.path's training examples once they are counted (`counted`), which
     # optim.epochs needs to become steps. Two configs that differ only here are the same config.
     examples: int | None = field(default=None, compare=False)
@@ -79,6 +81,16 @@ class TrainConfig:
         if self.run.keep_best and not self.data.eval_path:
             raise ConfigError("run.keep_best", "keeps the checkpoint of the best held-out tau, and there is "
                               "none without data.eval_path: set one, or run.keep_best to false")
+        if self.model.kind == "dspark" and self.data.eval_path:
+            raise ConfigError("data.eval_path", "the held-out evaluation measures a DFlash drafter's tau, "
+                              "not a DSpark drafter's (model.kind dspark): set it to null")
+        if self.model.confidence_head and (self.model.kind != "dspark" or "bce" not in self.loss.mix):
+            # Untrained, its weights would get no gradient (an error under DDP) and export at random.
+            raise ConfigError("model.confidence_head", "is DSpark's acceptance head, trained by "
+                              "loss.weights.bce: it needs model.kind dspark and a bce weight in loss.weights")
+        if "bce" in self.loss.mix and not (self.model.kind == "dspark" and self.model.confidence_head):
+            raise ConfigError("loss.weights", "bce trains DSpark's confidence head: needs model.kind dspark "
+                              "and model.confidence_head true")
         if self.pipeline.is_multi_process and self.optim.accumulate > 1:
             # A pipeline's targets send each drafter one batch a step (dflash_ops.run.ranks).
             raise ConfigError("optim.accumulate", "must be 1 in a pipeline of several processes (each "
@@ -137,6 +149,7 @@ SECTIONS = {
     "optim": OptimConfig,
     "run": RunConfig,
     "pipeline": PipelineConfig,
+    "loss": LossConfig,
 }
 
 

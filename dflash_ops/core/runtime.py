@@ -8,13 +8,18 @@
 - `exit_code_of`: how an entry point's work ends as its exit code (0 done or stopped, 1 crashed, 2 bad
   input), the same for `python -m dflash_ops.train` and `python -m dflash_ops.capture`.
 - `ensure_dir` and `output_mode`: whatever the umask the run was started with, nothing it writes
-  (status, checkpoints) is writable by group or other users (dirs 0755, files 0644, less what a
-  stricter umask removes), so no other user can change a run's state or its checkpoints; and nothing
-  is written through a symbolic link or in another user's directory (`dflash_ops.core.safe_paths`).
+  (status, metrics, checkpoints, exports) is writable by group or other users, nor readable by other
+  users (dirs 0750, files 0640, less what a stricter umask removes): the trained weights are the run's
+  user's and its group's. With `DFLASH_OUTPUT_GROUP` (the dflash_run role's dflash_run_output_group,
+  through training_run's output_group) they are shared with that group: each directory ensure_dir makes
+  or is given is that group's, readable by it and setgid (what is made in it inherits the group), and
+  its files are readable by it whatever the umask. Nothing is written through a symbolic link or in
+  another user's directory (`dflash_ops.core.safe_paths`).
 """
 
 from __future__ import annotations
 
+import grp
 import json
 import math
 import os
@@ -32,8 +37,12 @@ from dflash_ops.core.safe_paths import check_directory, open_file
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
 STATES = ("starting", "running", "stopping", "stopped", "failed")
-DIR_MODE, FILE_MODE = 0o755, 0o644
+DIR_MODE, FILE_MODE = 0o750, 0o640
+# What a run's readers that are not its own need to enter and read (a feature cache the run's user reads).
+SHARED_DIR_MODE = 0o755
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+# The group a run's outputs are shared with (a name or a gid); unset: none, only the owner's group.
+OUTPUT_GROUP_ENV = "DFLASH_OUTPUT_GROUP"
 
 
 def process_umask() -> int:
@@ -47,29 +56,72 @@ def process_umask() -> int:
     return 0o022
 
 
+def output_group() -> int | None:
+    """The gid of DFLASH_OUTPUT_GROUP (a group name or a gid), or None when it is unset."""
+    name = os.environ.get(OUTPUT_GROUP_ENV, "").strip()
+    if not name:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"{OUTPUT_GROUP_ENV}={name}: no such group (dflash_run_output_group names a group "
+                         "of the container)") from None
+
+
 def output_mode(mode: int) -> int:
-    """`mode` less what the umask removes, and never writable by group or others."""
-    return mode & ~(process_umask() | _OTHERS_WRITE)
+    """`mode` less what the umask removes, never writable by group or others; with an output group, the
+    group's read (and search) bits of `mode` whatever the umask."""
+    shared = mode & 0o050 if output_group() is not None else 0
+    return (mode & ~(process_umask() | _OTHERS_WRITE)) | shared
 
 
-def ensure_dir(path: str | Path) -> Path:
-    """Create `path` and its missing parents (DIR_MODE less the umask). An existing `path` loses group
-    and other write permission: a run's output directory made world-writable by hand or by a umask
-    of 000 does not stay so. One that is a symbolic link or another user's raises UnsafePath."""
+def _share(directory: Path, gid: int | None) -> None:
+    """Make `directory` the output group's (readable by it, setgid so that what is made in it is the
+    group's too), or leave it to its owner's group when there is none."""
+    if gid is None:
+        return
+    try:
+        os.chown(directory, -1, gid, follow_symlinks=False)
+    except PermissionError:
+        raise PermissionError(f"{directory}: cannot give it to group {gid} ({OUTPUT_GROUP_ENV}): the run's "
+                              "user must be a member of dflash_run_output_group") from None
+    os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | 0o050 | stat.S_ISGID)
+
+
+def ensure_dir(path: str | Path, mode: int = DIR_MODE) -> Path:
+    """Create `path` (`mode`, DIR_MODE by default, less the umask; the output group's when there is one)
+    and its missing parents (SHARED_DIR_MODE less the umask). An existing `path` loses group and other
+    write permission and what `mode` does not give other users: a run's output directory made
+    world-writable or world-readable by hand, by an earlier release or by a umask of 000 does not stay so.
+    One that is a symbolic link or another user's raises UnsafePath."""
     path = Path(path)
+    gid = output_group()
     missing = []
     parent = path
     while not parent.exists() and parent != parent.parent:
         missing.append(parent)
         parent = parent.parent
     for directory in reversed(missing):
+        # The parents hold other runs' directories too (/var/lib/dflash/runs): passable by the run's user
+        # and the output group; `path` and the files in it are what keep the run's outputs to themselves.
         try:
-            os.mkdir(directory, output_mode(DIR_MODE))
+            os.mkdir(directory, output_mode(mode if directory == path else SHARED_DIR_MODE))
         except FileExistsError:
-            pass
+            continue
+        if directory == path:
+            _share(directory, gid)
     info = check_directory(path).stat()  # never through a symbolic link, never another user's
-    if info.st_mode & _OTHERS_WRITE:
-        os.chmod(path, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
+    strip = _OTHERS_WRITE | (0o007 & ~mode)
+    if info.st_mode & strip:
+        os.chmod(path, stat.S_IMODE(info.st_mode) & ~strip)
+    if gid is not None and (info.st_gid != gid or not info.st_mode & stat.S_ISGID):
+        _share(path, gid)
+    elif gid is None and info.st_mode & stat.S_ISGID and info.st_gid != os.getegid():
+        # an output group no longer named: its members enter no more (what is in it is reached through it)
+        os.chown(path, -1, os.getegid(), follow_symlinks=False)
+        os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & ~(stat.S_ISGID | 0o027))
     return path
 
 
@@ -226,11 +278,15 @@ class StopSignal:
     def __init__(self):
         self.event = threading.Event()
         self.signal_name: str | None = None
+        # When the first signal came (epoch seconds): the run's stop line says it, so that the time from
+        # the stop request to the exit is the run's own (a restart's GPU idle window starts there).
+        self.signalled_at: float | None = None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
+            self.signalled_at = time.time()
         self.event.set()
 
     def install(self) -> StopSignal:

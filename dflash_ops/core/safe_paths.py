@@ -161,3 +161,32 @@ def open_file(path: str | Path, flags: int, mode: int) -> int:
         os.close(fd)
         raise UnsafePath(path, problem)
     return fd
+
+
+def replace_file(directory: str | Path, name: str, write, mode: int = 0o600) -> Path:
+    """Write `directory`/`name` through `write(binary file object)` into a temporary file of that
+    directory, then rename it over the name: a symbolic link (or anything) planted at the name is
+    replaced, never written through. The directory must pass check_directory (this user's, no link on
+    the way); the file gets `mode`. Raises UnsafePath."""
+    check_directory(directory)
+    dir_fd = walk(directory)
+    temporary = f".{name}.partial-{os.getpid()}"
+    try:
+        if os.fstat(dir_fd).st_uid != os.geteuid():  # the one checked is the one written in
+            raise UnsafePath(directory, f"is owned by uid {os.fstat(dir_fd).st_uid}")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                     dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                os.fchmod(handle.fileno(), mode)
+                write(handle)
+            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
+    return Path(directory) / name

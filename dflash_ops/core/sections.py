@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +22,10 @@ FEATURE_CHECKS = ("checksums", "sizes")
 LOSS_WEIGHTINGS = ("decay", "dpace")  # optim.loss_weighting
 SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule (dflash_ops.training.trainer.lr_multiplier)
 ATTENTION_BACKENDS = ("auto", "flex", "tiles")  # model.attention_backend (dflash_ops.model.flex)
+MODEL_KINDS = ("dflash", "dspark")  # model.kind (dflash_ops.model.dspark)
 DEFAULT_TOTAL_STEPS = 1000  # optim.total_steps when neither it nor optim.epochs is set
+# run.report_to (TensorBoard's event files are written whatever it says)
+REPORT_TO = ("tensorboard", "mlflow")
 
 
 class ConfigError(ValueError):
@@ -102,6 +106,11 @@ class ModelConfig(Section):
     # The drafter's attention (`dflash_ops.model.flex.choose_attention`): auto (FlexAttention compiled on
     # CUDA, the block-sparse tiles elsewhere), flex, or tiles.
     attention_backend: str = "auto"
+    # dflash, or dspark: the DFlash backbone with a Markov head of rank markov_rank and, with
+    # confidence_head, an acceptance head (`dflash_ops.model.dspark`).
+    kind: str = "dflash"
+    markov_rank: int = 256
+    confidence_head: bool = False
     _name = "model"
 
     def __post_init__(self) -> None:
@@ -123,6 +132,8 @@ class ModelConfig(Section):
         self._require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                       f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         self._check_layer_types()
+        self._require(self.kind in MODEL_KINDS, "kind", f"must be one of {', '.join(MODEL_KINDS)}")
+        self._require(self.markov_rank >= 1, "markov_rank", "must be >= 1")
 
     def _check_layer_types(self) -> None:
         types = self.layer_types or []
@@ -253,6 +264,18 @@ class RunConfig(Section):
     resume: bool = True
     max_steps_per_run: int | None = None
     step_delay: float = 0.0
+    # Where the run writes its Prometheus metrics for node_exporter's textfile collector
+    # (dflash_ops.run.metrics; empty: none), and the labels of every series (the deploy sets container,
+    # node and run).
+    metrics_textfile_dir: str = ""
+    metrics_labels: dict = field(default_factory=dict)
+    # An MLflow tracking server that gets the run's params and metrics too
+    # (dflash_ops.training.mlflow_tracking; empty: none), or `report_to: [mlflow]` with the server from the
+    # run's MLFLOW_TRACKING_URI (SpecForge's tracker names; tensorboard is always written), and the
+    # experiment the run goes in.
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "dflash"
+    report_to: list[str] = field(default_factory=list)
     _name = "run"
 
     def __post_init__(self) -> None:
@@ -265,6 +288,14 @@ class RunConfig(Section):
         if self.max_steps_per_run is not None:
             self._require(self.max_steps_per_run >= 1, "max_steps_per_run", "must be >= 1")
         self._require(self.step_delay >= 0, "step_delay", "must be >= 0")
+        self._require(all(isinstance(k, str) and re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", k) and k != "member"
+                          and isinstance(v, str | int) for k, v in self.metrics_labels.items()),
+                      "metrics_labels", "must map Prometheus label names (not member) to strings")
+        self._require(not self.mlflow_uri or re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", self.mlflow_uri),
+                      "mlflow_uri", "must be a tracking URI with its scheme (http://host:5000)")
+        self._require(bool(self.mlflow_experiment.strip()), "mlflow_experiment", "must name an experiment")
+        self._require(all(name in REPORT_TO for name in self.report_to), "report_to",
+                      f"must list trackers among {', '.join(REPORT_TO)}")
 
 
 @dataclass

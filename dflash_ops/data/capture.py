@@ -36,8 +36,8 @@ import torch
 
 from dflash_ops.core.config import TrainConfig, target_shape
 from dflash_ops.core.files import fsync_path
-from dflash_ops.core.runtime import EventLog, StopSignal, ensure_dir
-from dflash_ops.data.examples import BatchOrder, Example, collate, training_examples
+from dflash_ops.core.runtime import SHARED_DIR_MODE, EventLog, StopSignal, ensure_dir
+from dflash_ops.data.examples import BatchOrder, Example, training_examples
 from dflash_ops.data.feature_cache import (
     FORMAT,
     MANIFEST,
@@ -53,7 +53,7 @@ from dflash_ops.data.feature_cache import (
     write_json,
 )
 from dflash_ops.data.subset import SUBSET_FILE
-from dflash_ops.data.target import load_target, target_hidden_states
+from dflash_ops.data.target import load_target, target_document_states
 
 # Test knobs: the free bytes the disk-space check sees instead of the file system's; seconds a replica
 # pauses after each shard (cut short by a stop), so that a test's stop lands between two shards.
@@ -141,7 +141,7 @@ def prepare(cfg: TrainConfig, out: Path, plan: dict, free: int | None) -> list[s
                            f"shard(s), {plan['width']} features of {cfg.model.dtype} a token) in {out}, "
                            f"whose file system has {gib(available)} free ({available} bytes): free some "
                            "space or capture elsewhere (--out)")
-    ensure_dir(out)
+    ensure_dir(out, SHARED_DIR_MODE)  # the run's user reads the cache
     if not (out / PLAN).is_file():
         write_json(out / PLAN, plan)
     if todo and (out / MANIFEST).is_file():
@@ -235,10 +235,11 @@ def run_replica(replica: int, replicas: int, cfg: TrainConfig, out: Path, plan: 
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
     examples = training_examples(cfg.data)
 
-    def features_of(batch: list[int]) -> torch.Tensor:
-        padded = {k: t.to(device) for k, t in collate([examples[i] for i in batch]).items()}
-        packed = target_hidden_states(target, padded["input_ids"], padded["attention_mask"],
-                                      plan["layer_ids"], cfg.model.target_rows_per_pass)
+    def features_of(batch: list[int]) -> torch.Tensor:  # the documents packed: no padding computed
+        documents = [examples[i].input_ids for i in batch]
+        packed = target_document_states(target, torch.cat(documents).to(device),
+                                        [d.numel() for d in documents], plan["layer_ids"],
+                                        cfg.model.target_rows_per_pass)
         return packed.features
 
     for shard in mine:

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_ops.core.config import ConfigError, TrainConfig, target_shape
+from dflash_ops.core.loss_section import capture_layer_ids, needs_target
 from dflash_ops.core.target_layers import build_target_layer_ids
 
 FORMAT = "dflash-features/1"
@@ -112,10 +113,14 @@ def target_identity(target_path: str | Path) -> dict:
 
 
 def resolved_layer_ids(cfg: TrainConfig) -> list[int]:
-    """The layer ids the run trains on: the configured ones, else the default for its target."""
-    if cfg.model.target_layer_ids:
+    """The layer ids the cache holds: those the run trains on (the configured ones, else the default for
+    its target), then the target's last layer when loss.kind needs the target's distribution
+    (`dflash_ops.core.loss_section.capture_layer_ids`: its last hidden state, one more H-wide column)."""
+    if cfg.model.target_layer_ids and not needs_target(cfg.loss.mix):
         return list(cfg.model.target_layer_ids)
-    return build_target_layer_ids(target_shape(cfg.model.target_path)[0], cfg.model.num_draft_layers)
+    n_layers = target_shape(cfg.model.target_path)[0]
+    ids = list(cfg.model.target_layer_ids or build_target_layer_ids(n_layers, cfg.model.num_draft_layers))
+    return capture_layer_ids(ids, n_layers, cfg.loss.mix)
 
 
 # --- shard files ---------------------------------------------------------------------------------
@@ -233,7 +238,11 @@ def check_identity(cfg: TrainConfig, manifest: dict, root: Path) -> None:
             raise ConfigError(KEY, f"{root} holds features of another target ({theirs.get('path')}, {part} "
                               f"{str(theirs.get(part))[:12]}...), not of model.target_path "
                               f"{cfg.model.target_path} ({target[part][:12]}...): {FIX}")
-    _compare("target layers", manifest["layer_ids"], resolved_layer_ids(cfg), "model.target_layer_ids", root)
+    ours = resolved_layer_ids(cfg)
+    # Layers that differ only by the last one: the cache was captured under another loss.kind.
+    key = "loss.kind" if manifest["layer_ids"][:-1] == ours or ours[:-1] == manifest["layer_ids"] else \
+        "model.target_layer_ids"
+    _compare("target layers", manifest["layer_ids"], ours, key, root)
     _compare("dtype", manifest["dtype"], cfg.model.dtype, "model.dtype", root)
     dataset = manifest["dataset"]
     _compare("the max_length", dataset["max_length"], cfg.data.max_length, "data.max_length", root)

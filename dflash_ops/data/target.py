@@ -7,7 +7,10 @@ target's safetensors without building the model, so a drafter GPU never holds th
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +18,8 @@ import torch
 from torch import nn
 
 from dflash_ops.core.runtime import readable
-from dflash_ops.data.examples import Example, collate
+from dflash_ops.data.document_attention import packable, packed_documents
+from dflash_ops.data.examples import Example
 from dflash_ops.model.hidden_states import PackedHiddenStates, get_hidden_states_packed, packing_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,6 +109,57 @@ class _DeepestLayerDone(Exception):
     """Raised by the capture hook of the deepest layer needed: the layers after it never run."""
 
 
+@contextmanager
+def _layer_capture(target: nn.Module, layer_ids: list[int], features: torch.Tensor):
+    """Forward hooks that copy each selected layer's output into its column of `features` `[T, k, H]`
+    as the target produces it, the deepest one ending the pass (`_DeepestLayerDone`). Yields the
+    pass's destination, a dict the caller sets per pass: `out`, the rows of `features` the pass
+    writes, and `index`, the flat positions of its real tokens in the layer output (None: all)."""
+    base = target.base_model
+    n_layers = len(base.layers)
+    columns: dict[int, list[int]] = {}
+    for column, layer_id in enumerate(layer_ids):
+        columns.setdefault(layer_id, []).append(column)
+    deepest = max(layer_ids)
+    width = features.shape[-1]
+    rows: dict = {"index": None, "out": features}
+
+    def capture(layer_id: int):
+        def hook(module, args, output):
+            hidden = (output[0] if isinstance(output, tuple) else output).reshape(-1, width)
+            for column in columns[layer_id]:
+                if rows["index"] is None:
+                    rows["out"][:, column].copy_(hidden)
+                else:
+                    torch.index_select(hidden, 0, rows["index"], out=rows["out"][:, column])
+            if layer_id == deepest:
+                raise _DeepestLayerDone
+        return hook
+
+    # transformers' hidden_states[-1] (the last layer) is the final norm's output.
+    modules = {i: base.norm if i == n_layers - 1 else base.layers[i] for i in columns}
+    handles = [modules[i].register_forward_hook(capture(i)) for i in columns]
+    try:
+        yield rows
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check_layer_ids(target: nn.Module, layer_ids: list[int]) -> None:
+    n_layers = len(target.base_model.layers)
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < n_layers:
+            raise ValueError(f"layer id {layer_id} out of range for a target with {n_layers} layers")
+
+
+def _run_to_deepest(base: nn.Module, **inputs) -> None:
+    try:
+        base(use_cache=False, **inputs)
+    except _DeepestLayerDone:
+        pass
+
+
 @torch.no_grad()
 def target_hidden_states(
     target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int],
@@ -120,52 +175,94 @@ def target_hidden_states(
 
     Bit-identical to `target_hidden_states_all_layers`, including its last layer, which
     transformers reports after the final norm (with `rows_per_pass` on CPU, as the tests check;
-    a GPU's matrix kernels may round a smaller batch differently)."""
+    a GPU's matrix kernels may round a smaller batch differently). The padding is computed:
+    `target_document_states` is the capture that computes none."""
+    _check_layer_ids(target, layer_ids)
     base = target.base_model
-    n_layers = len(base.layers)
-    for layer_id in layer_ids:
-        if not 0 <= layer_id < n_layers:
-            raise ValueError(f"layer id {layer_id} out of range for a target with {n_layers} layers")
     cu_seqlens, position_ids, token_index = packing_metadata(attention_mask)
-    columns: dict[int, list[int]] = {}
-    for column, layer_id in enumerate(layer_ids):
-        columns.setdefault(layer_id, []).append(column)
-    deepest = max(layer_ids)
-    width = target.config.hidden_size
-    features = torch.empty(token_index.numel(), len(layer_ids), width, dtype=base.embed_tokens.weight.dtype,
-                           device=input_ids.device)
-    # The rows of the pass at hand: where their real tokens are, and where they go in `features`.
-    rows = {"index": token_index, "out": features}
-
-    def capture(layer_id: int):
-        def hook(module, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            for column in columns[layer_id]:
-                torch.index_select(hidden.reshape(-1, width), 0, rows["index"], out=rows["out"][:, column])
-            if layer_id == deepest:
-                raise _DeepestLayerDone
-        return hook
-
-    # transformers' hidden_states[-1] (the last layer) is the final norm's output.
-    modules = {i: base.norm if i == n_layers - 1 else base.layers[i] for i in columns}
-    handles = [modules[i].register_forward_hook(capture(i)) for i in columns]
+    features = torch.empty(token_index.numel(), len(layer_ids), target.config.hidden_size,
+                           dtype=base.embed_tokens.weight.dtype, device=input_ids.device)
     n_rows = input_ids.shape[0]
     step = min(rows_per_pass or n_rows, n_rows)
-    try:
+    with _layer_capture(target, layer_ids, features) as rows:
         for first in range(0, n_rows, step):
             last = min(first + step, n_rows)
             mask = attention_mask[first:last]
             rows["index"] = mask.reshape(-1).nonzero().squeeze(1)
             rows["out"] = features[int(cu_seqlens[first]): int(cu_seqlens[last])]
             if rows["index"].numel():
-                try:
-                    base(input_ids=input_ids[first:last], attention_mask=mask, use_cache=False)
-                except _DeepestLayerDone:
-                    pass
-    finally:
-        for handle in handles:
-            handle.remove()
+                _run_to_deepest(base, input_ids=input_ids[first:last], attention_mask=mask)
     return PackedHiddenStates(features.view(features.shape[0], -1), cu_seqlens, position_ids, token_index)
+
+
+def document_metadata(lengths: Sequence[int], device: torch.device | str = "cpu"):
+    """(cu_seqlens, position_ids, token_index) of documents of `lengths`, as `packing_metadata` gives
+    them for the right-padded batch of those documents (`collate`), without building that batch."""
+    lengths = [int(n) for n in lengths]
+    max_len = max(lengths, default=0)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]) if lengths else \
+        torch.zeros(0, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), torch.tensor(lengths))
+    token_index = rows * max_len + position_ids
+    return cu_seqlens.to(device), position_ids.to(device), token_index.to(device)
+
+
+@torch.no_grad()
+def target_document_states(
+    target: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], layer_ids: list[int],
+    rows_per_pass: int | None = None,
+) -> PackedHiddenStates:
+    """The selected layers' features of documents packed end to end (`input_ids` `[T]`, document d
+    the next `lengths[d]` tokens), `[T, k*H]`, computing no padding: each pass runs its documents as
+    one row, positions restarting at 0 in each document and attention within each document only
+    (`dflash_ops.data.document_attention`), captured by the same hooks as `target_hidden_states`.
+    `rows_per_pass` documents a pass (all by default). The metadata is that of `collate`'s padded
+    batch of the same documents (`document_metadata`).
+
+    On CPU bit-equal to `target_hidden_states` of each document alone (a batch of one, no padding);
+    against the padded batch of all of them, equal to rounding (the padded attention of a shorter row
+    reduces over the padded length: `dflash_ops.data.document_attention`). A target that cannot pack
+    (attention other than SDPA, sliding-window layers) runs the padded batch instead."""
+    _check_layer_ids(target, layer_ids)
+    lengths = [int(n) for n in lengths]
+    if sum(lengths) != input_ids.numel():
+        raise ValueError(f"documents of {sum(lengths)} tokens in all, input_ids has {input_ids.numel()}")
+    base = target.base_model
+    if not packable(base):
+        return _padded_documents(target, input_ids, lengths, layer_ids, rows_per_pass)
+    device = input_ids.device
+    cu_seqlens, position_ids, token_index = document_metadata(lengths, device)
+    offsets = [0, *itertools.accumulate(lengths)]
+    features = torch.empty(offsets[-1], len(layer_ids), target.config.hidden_size,
+                           dtype=base.embed_tokens.weight.dtype, device=device)
+    n_docs = len(lengths)
+    step = min(rows_per_pass or n_docs, n_docs) if n_docs else 1
+    with _layer_capture(target, layer_ids, features) as rows:
+        for first in range(0, n_docs, step):
+            last = min(first + step, n_docs)
+            start, end = offsets[first], offsets[last]
+            if end == start:
+                continue
+            rows["out"] = features[start:end]
+            bounds = [offset - start for offset in offsets[first: last + 1]]
+            with packed_documents(base, bounds) as attention:
+                _run_to_deepest(base, input_ids=input_ids[None, start:end],
+                                position_ids=position_ids[None, start:end], **attention)
+    return PackedHiddenStates(features.view(features.shape[0], -1), cu_seqlens, position_ids, token_index)
+
+
+def _padded_documents(target, input_ids, lengths, layer_ids, rows_per_pass) -> PackedHiddenStates:
+    """`target_document_states` through the padded batch (`collate`'s layout)."""
+    max_len = max(lengths, default=0)
+    padded = input_ids.new_zeros(len(lengths), max_len)
+    mask = torch.zeros(len(lengths), max_len, dtype=torch.int64, device=input_ids.device)
+    offsets = [0, *itertools.accumulate(lengths)]
+    for row, n in enumerate(lengths):
+        padded[row, :n] = input_ids[offsets[row]: offsets[row] + n]
+        mask[row, :n] = 1
+    return target_hidden_states(target, padded, mask, layer_ids, rows_per_pass)
 
 
 def step_features(target: nn.Module, examples: list[Example], layer_ids: list[int],
@@ -173,12 +270,13 @@ def step_features(target: nn.Module, examples: list[Example], layer_ids: list[in
     """What one drafter step takes from a batch of `examples`, computed by `target` on `device`:
     the packed `[T, k*H]` features of `layer_ids` with their `cu_seqlens` and `position_ids`, and
     the batch's `input_ids` and `loss_mask` packed the same way (the keyword arguments of
-    `DrafterTrainer.train_step` and of `dflash_ops.run.transport.send_batch`)."""
-    batch = {name: t.to(device) for name, t in collate(examples).items()}
-    packed = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layer_ids,
-                                  rows_per_pass)
+    `DrafterTrainer.train_step` and of `dflash_ops.run.transport.send_batch`). The documents run
+    packed (`target_document_states`): no padding is computed."""
+    input_ids = torch.cat([e.input_ids for e in examples]).to(device)
+    packed = target_document_states(target, input_ids, [e.input_ids.numel() for e in examples], layer_ids,
+                                    rows_per_pass)
     return {"features": packed.features, "cu_seqlens": packed.cu_seqlens, "position_ids": packed.position_ids,
-            "input_ids": packed.pack(batch["input_ids"]), "loss_mask": packed.pack(batch["loss_mask"])}
+            "input_ids": input_ids, "loss_mask": torch.cat([e.loss_mask for e in examples]).to(device)}
 
 
 @torch.no_grad()

@@ -18,6 +18,10 @@ Inputs, all packed (no batch dimension; documents are told apart by the attentio
   at most the W-1 context tokens before the anchor (docs/SERVING.md: what the engines run).
 Output: hidden states `[Q, H]` after the final norm; `logits()` applies the target's frozen lm_head.
 
+The layers' elementwise work (norms, RoPE, SiLU-mul, the residual add, the casts into each matmul's
+dtype) runs in regions (`Regions`): as written by default (what an export serves with), under
+torch.compile when the trainer asks for it on CUDA (`DraftStack.compile_regions`).
+
 This file imports nothing but torch: an export ships it unchanged next to `modeling_dflash.py`, so
 that the serving side runs the very layers that were trained.
 """
@@ -150,12 +154,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.regions = EAGER  # the region functions it runs (`DraftStack.compile_regions`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # In x's dtype: under autocast the fp32 master weight must not promote bf16 activations.
-        return (self.weight * x32).to(x.dtype)
+        return self.regions.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -178,6 +180,88 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# The layers' elementwise work, as regions: functions of tensors that run as written (`EAGER`, the
+# reference every device can run) or each under torch.compile with its row count dynamic
+# (`compiled_regions()`, what training uses on CUDA: one fused kernel for a region's forward and one
+# or two for its backward, one compilation for every group's rows). Each region's outputs that feed a
+# matmul are in the dtype that matmul runs in (the context's: bf16 under autocast), one copy per
+# matmul as autocast would cast them, so that their gradients still add up in float32.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, returned in x's dtype (under autocast the fp32 master weight must not
+    promote bf16 activations)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(x.dtype)
+
+
+def attention_inputs(block: torch.Tensor, weight: torch.Tensor, eps: float, context: torch.Tensor):
+    """The layer's input norm of the block `[Q, H]` and what q_proj, k_proj and v_proj read, in the
+    context's dtype: the normed block, and twice the keys' and values' input `[T+Q, H]` (KV injection:
+    the context's rows first, then the block's)."""
+    normed = rms_norm(block, weight, eps)
+    kv_input = torch.cat([context, normed], dim=0)
+    return normed.to(context.dtype), kv_input.to(context.dtype), kv_input.to(context.dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """q_norm or k_norm of x `[N, heads, D]`, then RoPE: `[1, heads, N, D]`."""
+    return apply_rope(rms_norm(x, weight, eps).transpose(0, 1).unsqueeze(0), cos, sin)
+
+
+def mlp_inputs(block: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The attention's residual add and the post-attention norm: the new block, and twice its norm in
+    the update's dtype (what gate_proj and up_proj read)."""
+    block = block + update
+    normed = rms_norm(block, weight, eps)
+    return block, normed.to(update.dtype), normed.to(update.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def compile_rows_dynamic(fn):
+    """`fn` under torch.compile, the first dimension of each tensor argument that is not a Parameter (the
+    rows: tokens, block queries, a chunk's rows) dynamic from the first call and every other dimension
+    static (the widths, which the kernels specialise on): one compilation serves every group's rows."""
+    compiled = torch.compile(fn)
+
+    def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and not isinstance(arg, nn.Parameter) and arg.dim():
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    return call
+
+
+class Regions:
+    """The region functions, as they are or under torch.compile (`compile_rows_dynamic`)."""
+
+    NAMES = ("rms_norm", "attention_inputs", "norm_rope", "mlp_inputs", "silu_mul")
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        for name in self.NAMES:
+            fn = globals()[name]
+            setattr(self, name, compile_rows_dynamic(fn) if compiled else fn)
+
+
+EAGER = Regions(compiled=False)
+_COMPILED_REGIONS: list[Regions] = []
+
+
+def compiled_regions() -> Regions:
+    """The compiled regions (one set per process, so that every drafter shares its compilations)."""
+    if not _COMPILED_REGIONS:
+        _COMPILED_REGIONS.append(Regions(compiled=True))
+    return _COMPILED_REGIONS[0]
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -190,17 +274,17 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, block: torch.Tensor, context: torch.Tensor, rope_q, rope_kv,
+    def forward(self, q_input: torch.Tensor, k_input: torch.Tensor, v_input: torch.Tensor, rope_q, rope_kv,
                 attention_mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
-        cfg = self.cfg
-        n_q, n_ctx = block.shape[0], context.shape[0]
-        q = self.q_norm(self.q_proj(block).view(n_q, cfg.num_attention_heads, cfg.head_dim))
-        # KV injection: the context's keys/values come first, then the block's own.
-        kv_input = torch.cat([context, block], dim=0)
-        k = self.k_norm(self.k_proj(kv_input).view(n_ctx + n_q, cfg.num_key_value_heads, cfg.head_dim))
-        v = self.v_proj(kv_input).view(n_ctx + n_q, cfg.num_key_value_heads, cfg.head_dim)
-        q = apply_rope(q.transpose(0, 1).unsqueeze(0), *rope_q)
-        k = apply_rope(k.transpose(0, 1).unsqueeze(0), *rope_kv)
+        """Attention of the normed block `q_input` `[Q, H]` over `k_input`/`v_input` `[T+Q, H]` (KV
+        injection: the context's rows first, then the block's; `attention_inputs`)."""
+        cfg, regions = self.cfg, self.q_norm.regions
+        n_q, n_kv = q_input.shape[0], k_input.shape[0]
+        q = self.q_proj(q_input).view(n_q, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(k_input).view(n_kv, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(v_input).view(n_kv, cfg.num_key_value_heads, cfg.head_dim)
+        q = regions.norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope_q)
+        k = regions.norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope_kv)
         v = v.transpose(0, 1).unsqueeze(0)
         gqa = cfg.num_attention_heads != cfg.num_key_value_heads
         if attention_mask is None or isinstance(attention_mask, torch.Tensor):
@@ -217,9 +301,12 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.regions = EAGER
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, gate_input: torch.Tensor, up_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The SwiGLU MLP of `gate_input` (and `up_input`, the same values: `mlp_inputs`)."""
+        up_input = gate_input if up_input is None else up_input
+        return self.down_proj(self.regions.silu_mul(self.gate_proj(gate_input), self.up_proj(up_input)))
 
 
 class DraftLayer(nn.Module):
@@ -231,8 +318,12 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
 
     def forward(self, block, context, rope_q, rope_kv, attention_mask):
-        block = block + self.self_attn(self.input_layernorm(block), context, rope_q, rope_kv, attention_mask)
-        return block + self.mlp(self.post_attention_layernorm(block))
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        regions = norm.regions
+        attention = self.self_attn(*regions.attention_inputs(block, norm.weight, norm.eps, context),
+                                   rope_q, rope_kv, attention_mask)
+        block, gate_input, up_input = regions.mlp_inputs(block, attention, post.weight, post.eps)
+        return block + self.mlp(gate_input, up_input)
 
 
 class DraftStack:
@@ -248,6 +339,13 @@ class DraftStack:
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def compile_regions(self, compiled: bool) -> None:
+        """Run the layers' elementwise work under torch.compile (`compiled_regions`) or as written."""
+        regions = compiled_regions() if compiled else EAGER
+        for module in self.modules():
+            if isinstance(module, RMSNorm | DraftMLP):
+                module.regions = regions
 
     @property
     def inv_freq(self) -> torch.Tensor:

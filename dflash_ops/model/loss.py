@@ -8,6 +8,7 @@ Two bugs that public trainers shipped are pinned by the tests of this file:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ops.model.attention import BlockSparseMask
-from dflash_ops.model.drafter import sliding_window_mask
+from dflash_ops.model.drafter import compile_rows_dynamic, sliding_window_mask
 from dflash_ops.model.flex import FlexBlockMask
 from dflash_ops.model.hidden_states import document_ids
 
@@ -232,24 +233,85 @@ def _chunk_log_probs(hidden_rows: torch.Tensor, head: torch.Tensor) -> torch.Ten
     return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
+# A chunk's loss over its logits (pluggable: `_ChunkedHeadLoss` runs whichever it is given):
+# `chunk_loss(logits [rows, vocab], labels [rows], scale [rows] float32 or None) -> (row_losses, grad)`,
+# row_losses `[rows]` float32 unweighted, grad the gradient of sum(scale * row_losses) with respect to the
+# logits in their dtype (it may be written over `logits`, which the caller no longer reads), None when
+# `scale` is None (no gradient wanted). The caller weighs, sums and normalises the row losses.
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                     "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cross entropy of each row in float32 and its gradient (softmax - one-hot) * scale, rounded
+    once to the logits' dtype and written over them (a `ChunkLoss`): the reference every device runs,
+    what `dflash_loss` computes unchunked."""
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    row_losses = -log_probs.gather(1, labels[:, None]).squeeze(1)
+    if scale is None:
+        return row_losses, None
+    probs = log_probs.exp_()  # in place: the softmax
+    probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
+    return row_losses, torch.mul(probs, scale[:, None], out=logits)
+
+
+def _one_pass_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`softmax_cross_entropy`'s row losses, its gradient written over `logits`: under torch.compile a
+    reduction over each row of the logits (their log-sum-exp) and one pass that reads them again and
+    writes the gradient in their dtype; no float32 `[rows, vocab]` tensor exists."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    row_losses = lse - x.gather(1, labels[:, None]).squeeze(1)
+    one_hot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    logits.copy_((torch.exp(x - lse[:, None]) - one_hot.to(x.dtype)) * scale[:, None])
+    return row_losses
+
+
+def _one_pass_row_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return torch.logsumexp(x, dim=-1) - x.gather(1, labels[:, None]).squeeze(1)
+
+
+_COMPILED_LOSS: dict[str, Callable] = {}
+
+
+def fused_softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`softmax_cross_entropy` under torch.compile (rows dynamic: one compilation for every chunk),
+    what training runs on CUDA: equal to the reference within float32 rounding (log-sum-exp, not
+    log_softmax), the gradient in the logits' dtype, written over them."""
+    if not _COMPILED_LOSS:
+        _COMPILED_LOSS["grad"] = compile_rows_dynamic(_one_pass_cross_entropy)
+        _COMPILED_LOSS["loss"] = compile_rows_dynamic(_one_pass_row_losses)
+    if scale is None:
+        return _COMPILED_LOSS["loss"](logits, labels), None
+    return _COMPILED_LOSS["grad"](logits, labels, scale), logits
+
+
+def cross_entropy_chunk_loss(compiled: bool) -> ChunkLoss:
+    """The head's cross entropy: one pass under torch.compile, or the reference as written."""
+    return fused_softmax_cross_entropy if compiled else softmax_cross_entropy
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum(w * ce) / normalizer over the scored rows, with the frozen lm_head applied `chunk_size`
     rows at a time. Each chunk's gradient with respect to `hidden` is computed while its logits
-    exist (softmax minus one-hot, times the row's weight, through the head), then the logits are
-    freed: no `[rows, vocab]` tensor outlives its chunk, and backward only scales the stored
-    `[rows, H]` gradient, so the head runs twice per row as in the unchunked path, not three times
-    as recomputation would. Under autocast the head and its gradient run in the autocast dtype and
-    the cross entropy in float32, as `F.linear` and `dflash_loss` do unchunked. With `weigh` (D-PACE)
-    the rows' weights depend on their cross entropies: each chunk keeps its rows' unscaled gradient,
-    and all rows are scaled by `weigh(ce)` once every chunk is done."""
+    exist (`chunk_loss` writes the logits' gradient over them, weighted, then through the head), and
+    the logits are freed: no `[rows, vocab]` tensor outlives its chunk, and backward only scales the
+    stored `[rows, H]` gradient, so the head runs twice per row as in the unchunked path, not three
+    times as recomputation would. Under autocast the head and its gradient run in the autocast dtype
+    and the cross entropy in float32, as `F.linear` and `dflash_loss` do unchunked. With `weigh`
+    (D-PACE) the rows' weights depend on their cross entropies: each chunk keeps its rows' unscaled
+    gradient, and all rows are scaled by `weigh(ce)` once every chunk is done."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size, weigh):
+    def forward(ctx, hidden, weight, labels, weights, offsets, normalizer, chunk_size, block_size, weigh,
+                chunk_loss):
         needs_grad = ctx.needs_input_grad[0]
         device_type = hidden.device.type
         head = _head_in_compute_dtype(weight, device_type)
-        compute = head.dtype
-        scale = weights / normalizer
+        scale = weights / normalizer if weigh is None else torch.ones_like(weights)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -258,28 +320,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                log_probs = _chunk_log_probs(hidden[rows], head)
+                logits = F.linear(hidden[rows].to(head.dtype), head)
                 label = labels[rows]
-                # The argmax of the log-probabilities is the logits' (a row shifted by one constant).
-                correct = (log_probs.argmax(-1) == label) & (weights[rows] > 0)
+                # Read before the chunk loss may write the gradient over them.
+                correct = (logits.argmax(-1) == label) & (weights[rows] > 0)
                 hits += tally_by_position(offsets[rows], correct, block_size)
-                token_log_probs = log_probs.gather(1, label[:, None]).squeeze(1)
+                # (softmax - one-hot) * w / normalizer in the head's dtype (with `weigh`: unscaled,
+                # scaled below), as the unchunked backward rounds its float32 gradient into the head.
+                row_losses, grad_logits = chunk_loss(logits, label, scale[rows] if needs_grad else None)
+                del logits
                 if ce_rows is None:
-                    loss -= (weights[rows] * token_log_probs).sum()
+                    loss += (weights[rows] * row_losses).sum()
                 else:
-                    ce_rows[rows] = -token_log_probs
+                    ce_rows[rows] = row_losses
                 if needs_grad:
-                    probs = log_probs.exp_()  # in place: the softmax
-                    probs[torch.arange(label.numel(), device=label.device), label] -= 1.0
-                    # (softmax - one-hot) * w / normalizer, rounded once to the head's dtype, as the
-                    # unchunked backward rounds its float32 gradient on the way into the head (with
-                    # `weigh`: unscaled, scaled below).
-                    grad_logits = torch.mul(probs, 1.0 if ce_rows is not None else scale[rows, None],
-                                            out=torch.empty(probs.shape, dtype=compute, device=probs.device))
-                    del probs
                     grad_hidden[rows] = (grad_logits @ head).to(hidden.dtype)
-                    del grad_logits
-                del log_probs
+                del grad_logits
         if ce_rows is not None:
             row_weights = weigh(ce_rows)
             loss = (row_weights * ce_rows).sum()
@@ -292,7 +348,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_hits):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), *([None] * 9)
 
 
 @torch.no_grad()
@@ -319,20 +375,22 @@ def chunked_head_eval(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
 
 def chunked_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
                       weights: torch.Tensor, offsets: torch.Tensor, block_size: int, chunk_size: int,
-                      normalizer: float | torch.Tensor | None = None, weigh=None
+                      normalizer: float | torch.Tensor | None = None, weigh=None,
+                      chunk_loss: ChunkLoss = softmax_cross_entropy
                       ) -> tuple[torch.Tensor, list[int], list[int]]:
     """`dflash_loss(lm_head(hidden), labels, weights, normalizer, weigh)` over rows `[N, H]`, the head
     applied `chunk_size` rows at a time (`_ChunkedHeadLoss`), with what `count_correct_by_position`
     gives from the same chunks: per block position k (`offsets` giving each row's k), the scored
     rows whose argmax is the label and the scored rows. The head must be frozen."""
     loss, hits, counts = chunked_head_loss_on_device(hidden, lm_head, labels, weights, offsets, block_size,
-                                                     chunk_size, normalizer, weigh)
+                                                     chunk_size, normalizer, weigh, chunk_loss)
     return loss, hits.tolist(), counts.tolist()
 
 
 def chunked_head_loss_on_device(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor,
                                 weights: torch.Tensor, offsets: torch.Tensor, block_size: int,
-                                chunk_size: int, normalizer: float | torch.Tensor | None = None, weigh=None
+                                chunk_size: int, normalizer: float | torch.Tensor | None = None, weigh=None,
+                                chunk_loss: ChunkLoss = softmax_cross_entropy
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`chunked_head_loss` with its counts left as `[block_size]` tensors on the device (no host sync)."""
     if lm_head.weight.requires_grad or lm_head.bias is not None:
@@ -342,5 +400,5 @@ def chunked_head_loss_on_device(hidden: torch.Tensor, lm_head: torch.nn.Linear, 
     total = weights.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=weights.dtype)
     total = total.to(weights.device).clamp_min(1e-6)
     loss, hits = _ChunkedHeadLoss.apply(hidden, lm_head.weight, labels, weights.float(), offsets, total,
-                                        chunk_size, block_size, weigh)
+                                        chunk_size, block_size, weigh, chunk_loss)
     return loss, hits, tally_by_position(offsets, weights > 0, block_size)

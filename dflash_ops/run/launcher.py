@@ -46,11 +46,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_ops.core.compile_cache import compile_cache_environment
 from dflash_ops.core.config import ConfigError, PipelineConfig, TrainConfig
 from dflash_ops.core.devices import visible_devices
 from dflash_ops.core.stopping import PIPES_CLOSE_TIMEOUT_S, TORCHRUN_SHUTDOWN_TIMEOUT_S, die_with_parent
 from dflash_ops.data.feature_cache import check_cache
 from dflash_ops.run.balance import MeasuredWaits
+from dflash_ops.run.metrics import RunMetrics
 from dflash_ops.run.ranks import first_rank, rank_table
 from dflash_ops.run.status import LAUNCHER, RunStatus, StatusLog
 
@@ -110,10 +112,11 @@ def torchrun_command(pipeline: PipelineConfig, config_path: str, n_workers: int,
     ]
 
 
-def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig,
-                         devices: list[str]) -> dict[str, str]:
+def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig, devices: list[str],
+                         output_dir: str | None = None) -> dict[str, str]:
     """torchrun's environment (its workers inherit it): the layout's GPUs in rank order (the worker
-    of local rank r uses cuda:r), the thread count, loopback for the collectives' sockets."""
+    of local rank r uses cuda:r), the thread count, loopback for the collectives' sockets, and
+    torch.compile's cache under the run's `output_dir` unless set (dflash_ops.core.compile_cache)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     threads = str(pipeline.threads_per_worker)
@@ -132,6 +135,8 @@ def torchrun_environment(specs: list[WorkerSpec], pipeline: PipelineConfig,
     else:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env.setdefault(name, "lo")  # one container: the rendezvous and the collectives stay on loopback
+    if output_dir is not None:
+        env.update(compile_cache_environment(output_dir, env, create=pipeline.device == "cuda"))
     return env
 
 
@@ -188,7 +193,7 @@ class Launcher:
         self.config_path = str(Path(config_path).resolve())
         self.devices = visible_devices() if cfg.pipeline.device == "cuda" else []
         self.specs = plan_workers(cfg.pipeline, len(self.devices))
-        self.status = RunStatus(cfg.run.output_dir)
+        self.status = RunStatus(cfg.run.output_dir, metrics=RunMetrics.of(cfg.run, cfg.pipeline.member))
         roles = [s.role for s in self.specs]  # this container's workers: the split it can change
         self.waits = MeasuredWaits(roles.count("target"), roles.count("drafter"))
         self.log = StatusLog(cfg.total_steps, self.status)
@@ -326,7 +331,8 @@ class Launcher:
         self.emit("launch", pid=os.getpid(), pgid=os.getpgid(0), workers=[s.name for s in self.specs],
                   max_restarts=self.cfg.pipeline.max_restarts)
         self.process = subprocess.Popen(
-            command, env=torchrun_environment(self.specs, self.cfg.pipeline, self.devices),
+            command, env=torchrun_environment(self.specs, self.cfg.pipeline, self.devices,
+                                              self.cfg.run.output_dir),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             preexec_fn=_torchrun_setup,  # same process group as the launcher: never a new session
             pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # the lock lasts while torchrun lives

@@ -17,13 +17,16 @@ last checkpoint are in none), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from dflash_ops.core.cli import add_config_arguments, parse_config_command
+from dflash_ops.core.compile_cache import compile_cache_environment
 from dflash_ops.core.config import ConfigError, TrainConfig, load_config
+from dflash_ops.core.loss_section import capture_layer_ids
 from dflash_ops.core.runtime import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_OK, StopSignal, exit_code_of
 from dflash_ops.core.safe_paths import UnsafePath
 from dflash_ops.data.data_manifest import check_thinking_mode
@@ -31,6 +34,7 @@ from dflash_ops.data.examples import DataError
 from dflash_ops.data.target import TargetHead, load_target, step_features
 from dflash_ops.run.cache_feed import cached_run
 from dflash_ops.run.effective import effective_config
+from dflash_ops.run.metrics import RunMetrics
 from dflash_ops.run.run_lock import RunLock, RunLocked
 from dflash_ops.run.status import RunStatus, StatusLog
 from dflash_ops.training.checkpoint import check_fresh_start, move_run_aside
@@ -59,7 +63,9 @@ class TargetFeatures:
             self.stop_reason = f"signal {stop.signal_name}"
             return None
         run = self.run
-        return step_features(self.target, [run.examples[i] for i in run.order.next_batch()], run.layer_ids,
+        # loss.kind other than ce: the target's last layer too (its last hidden state, for the loss).
+        layer_ids = capture_layer_ids(run.layer_ids, self.target.config.num_hidden_layers, run.cfg.loss.mix)
+        return step_features(self.target, [run.examples[i] for i in run.order.next_batch()], layer_ids,
                              run.cfg.model.target_rows_per_pass, run.device)
 
     def close(self) -> None:
@@ -70,11 +76,14 @@ def run_single_process(cfg: TrainConfig, stop: StopSignal | None = None) -> int:
     """Run the whole training in this process; return the exit code. `stop`: the process's own (`cli`), whose
     handler then outlives the run; else one installed for the run's time."""
     torch.set_num_threads(cfg.pipeline.threads_per_worker)
-    log = StatusLog(0, RunStatus(cfg.run.output_dir, process_worker=WORKER))  # DrafterRun sets the steps
+    status = RunStatus(cfg.run.output_dir, process_worker=WORKER, metrics=RunMetrics.of(cfg.run))
+    log = StatusLog(0, status)  # DrafterRun sets the steps
     stop = (stop or StopSignal()).install()
 
     def train() -> None:
         device = resolve_device(cfg.pipeline.device)
+        # torch.compile's cache kept across restarts and releases (dflash_ops.core.compile_cache).
+        os.environ.update(compile_cache_environment(cfg.run.output_dir, os.environ, device.type == "cuda"))
         if cfg.data.features_path is not None:  # the target's features come from a feature cache
             run, source = cached_run(cfg, log, device)
         else:
@@ -88,7 +97,8 @@ def run_single_process(cfg: TrainConfig, stop: StopSignal | None = None) -> int:
             reason = run.run(source, stop)
         finally:
             source.close()
-        log.emit("stop", step=run.trainer.step, reason=reason)
+        log.emit("stop", step=run.trainer.step, reason=reason,
+                 **({"signalled_at": round(stop.signalled_at, 3)} if stop.signalled_at else {}))
 
     code = exit_code_of(train, log, stop, (ConfigError, DataError, FileNotFoundError, UnsafePath),
                         "dflash_ops.train")
@@ -108,6 +118,7 @@ docs/CONTRACTS.md):
   optim     lr, weight_decay, warmup_ratio, max_grad_norm, total_steps or epochs, the loss weighting
   run       output_dir, save_every, keep_checkpoints, log_every, eval_every, seed, resume
   pipeline  device, and the pipeline's layout: target and drafter workers or GPUs, members
+  loss      what the block positions train against: kind ce, kl, tvd or mix, and the mix's weights
 
 examples:
   python -m dflash_ops.train configs/tiny-cpu.yaml --dry-run

@@ -51,6 +51,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from dflash_ops.core.cli import add_config_arguments, parse_config_command
 from dflash_ops.core.config import ConfigError, PipelineConfig, TrainConfig, load_config, with_examples
+from dflash_ops.core.loss_section import capture_layer_ids
 from dflash_ops.core.runtime import EventLog, StopSignal
 from dflash_ops.core.stopping import (
     DRAIN_AFTER_ERROR_S,
@@ -300,6 +301,9 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
     drafter_group(ctx)
     target = load_target(cfg.model.target_path, cfg.model.dtype, device)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
+    # What each training batch carries: those layers, and the last one when loss.kind needs the target's
+    # distribution (its last hidden state; the held-out features stay the drafter's layers).
+    capture_ids = capture_layer_ids(layer_ids, target.config.num_hidden_layers, cfg.loss.mix)
     examples = training_examples(cfg.data, target.config.vocab_size)
     cfg = with_examples(cfg, len(examples))  # the drafters' steps, from the same count
     order = BatchOrder(len(examples), cfg.data.batch_size, cfg.run.seed)
@@ -324,7 +328,7 @@ def run_target(cfg: TrainConfig, ctx: WorkerContext, stop: StopSignal, device: t
             break
         maybe_inject_failure(ctx, sent + 1)
         computing = time.perf_counter()
-        features = step_features(target, [examples[i] for i in indices], layer_ids,
+        features = step_features(target, [examples[i] for i in indices], capture_ids,
                                  cfg.model.target_rows_per_pass, device)
         if device.type == "cuda":  # the forward's own time, not its launch's: the send needs it done anyway
             torch.cuda.synchronize(device)

@@ -32,8 +32,10 @@ RESUMED = ("step", "last_checkpoint", "heldout_loss", "heldout_tau")  # what a r
 
 
 class RunStatus:
-    def __init__(self, output_dir: str | Path, process_worker: str | None = None):
+    def __init__(self, output_dir: str | Path, process_worker: str | None = None, metrics=None):
+        """`metrics`: a `dflash_ops.run.metrics.RunMetrics` that follows every line too (None: off)."""
         self.process_worker = process_worker
+        self.metrics = metrics
         self.workers: dict[str, dict] = {}
         if process_worker is not None:
             self.workers[process_worker] = {"state": "starting", "pid": os.getpid(), "gpus": []}
@@ -56,7 +58,13 @@ class RunStatus:
             self.workers[name]["state"] = state
 
     def follow(self, record: dict) -> None:
-        """Update status.json for one line of the log (lines that are not events change nothing)."""
+        """Update status.json for one line of the log (lines that are not events change nothing), and the
+        run's metrics file when it has one."""
+        self._follow(record)
+        if self.metrics is not None and record.get("event"):
+            self.metrics.follow(record, self.file.fields)
+
+    def _follow(self, record: dict) -> None:
         event = record.get("event")
         own = "worker" not in record  # a line of the run's own process
         worker = self.process_worker if own else record["worker"]
@@ -77,12 +85,16 @@ class RunStatus:
                                                                              "tokens_per_s")})
         elif event == "balance":
             self._write(balance={k: record.get(k) for k in ("target_wait", "drafter_wait", "bound", "split",
-                                                             "best_split", "gain", "advice")})
+                                                             "best_split", "gain", "advice", "target_cost_s",
+                                                             "drafter_cost_s")})
         elif event == "heldout":
             self._write(heldout_loss=record.get("heldout_loss"), heldout_tau=record.get("heldout_tau"))
-        elif event in ("checkpoint", "resume"):
-            self._write(step=record["step"], last_checkpoint=record.get("path") or record.get("checkpoint"),
-                        **({"checkpoint_error": None} if event == "checkpoint" else {}))
+        elif event == "resume":
+            self._write(step=record["step"], last_checkpoint=record.get("checkpoint"))
+        elif event == "checkpoint":
+            # Written on a thread, a checkpoint may be logged after later steps: the step never goes back.
+            step = max(record["step"], self.file.fields.get("step") or 0)
+            self._write(step=step, last_checkpoint=record.get("path"), checkpoint_error=None)
         elif event == "checkpoint_failed":
             self._write(checkpoint_error=record.get("message"))
         elif event == "checkpoint_lost":  # the run ends failed, whatever else it says

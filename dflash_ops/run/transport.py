@@ -7,7 +7,9 @@ early (it was stopped) sends an end marker instead to each drafter that still ex
 
 Flow control. Each drafter receives on a thread (`BatchFeed`) into a queue of `queue_depth`
 batches; the target's send completes only when a receive is posted, so at most about queue_depth
-batches are in flight per drafter and the slower side sets the pace.
+batches are in flight per drafter and the slower side sets the pace. On a GPU the thread receives on
+a CUDA stream of its own and the step waits on an event before it touches a batch
+(`dflash_ops.run.device_streams`), so the receive of the next batch overlaps the step before it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dflash_ops.run.device_streams import BatchStreams, Pending, streams_for
 from dflash_ops.run.ranks import BatchSchedule
 
 HEADER_SIZE = 6  # kind, batch index, tokens, documents, feature width, dtype code
@@ -86,11 +89,13 @@ def recv_batch(src: int, device: torch.device, group=None) -> tuple[int, dict] |
 
 class BatchFeed:
     """A drafter's incoming batches of [first_batch, end_batch): a receiving thread filling a
-    bounded queue, in schedule order."""
+    bounded queue, in schedule order, each batch received on `streams`' side stream (by default
+    the device's: `streams_for`) and handed to the step's stream by `next`."""
 
     def __init__(self, schedule: BatchSchedule, role_rank: int, first_batch: int, end_batch: int,
-                 depth: int, device: torch.device):
+                 depth: int, device: torch.device, streams: BatchStreams | None = None):
         self.schedule, self.device = schedule, device
+        self.streams = streams or streams_for(device)
         self.batches = schedule.drafter_batches(role_rank, first_batch, end_batch)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.draining = threading.Event()
@@ -113,7 +118,9 @@ class BatchFeed:
                 src = self.schedule.target_rank(index)
                 if src in ended:
                     continue
-                received = recv_batch(src, self.device)
+                with self.streams.receiving():
+                    received = recv_batch(src, self.device)
+                    pending = None if received is None else self.streams.received(received[1])
                 if received is None:
                     if not ended:
                         self._put(FEED_DONE)  # the schedule is broken: train no further
@@ -121,10 +128,9 @@ class BatchFeed:
                     if len(ended) == self.schedule.num_targets:
                         return
                 elif not ended:
-                    got, batch = received
-                    if got != index:
-                        raise RuntimeError(f"expected batch {index} from rank {src}, got {got}")
-                    self._put(batch)
+                    if received[0] != index:
+                        raise RuntimeError(f"expected batch {index} from rank {src}, got {received[0]}")
+                    self._put(pending)
             if not ended:
                 self._put(FEED_DONE)
         except BaseException as exc:  # reported by the main thread
@@ -132,10 +138,12 @@ class BatchFeed:
             self._put(FEED_DONE)
 
     def next(self, stop) -> dict | str | None:
-        """The next batch, FEED_DONE, or None when `stop` (a StopSignal) was requested while waiting."""
+        """The next batch (the step's stream ordered after its receive), FEED_DONE, or None when `stop`
+        (a StopSignal) was requested while waiting."""
         while True:
             try:
-                return self.queue.get(timeout=POLL_S)
+                item = self.queue.get(timeout=POLL_S)
+                return self.streams.take(item) if isinstance(item, Pending) else item
             except queue.Empty:
                 if self.error is not None:
                     raise RuntimeError(f"receiving batches failed: {self.error}") from self.error

@@ -35,9 +35,10 @@ The report names the step it exports (`step`); from a run's output directory, wh
 past that step (its status.json or metrics.jsonl: a final save that failed), a `warning` on stderr says
 so and the report adds `trained_step`.
 `--into DIR` writes to `DIR/<checkpoint name>` (`step-00000100`) and keeps an export already there
-that its SHA256SUMS still matches (same dtype), and refuses one of another run (config.json's
-`dflash_source`: the run's output directory and step, that every export records); `--step N`
-picks that step of a run's output directory, `--plan` says what it would write, and writes nothing.
+that its SHA256SUMS still matches (same dtype) and whose code files are this package's own (else it is
+written again), refuses a DIR of another user's or reached through a link, and refuses one of another
+run (config.json's `dflash_source`: the run's output directory and step, that every export records);
+`--step N` picks that step of a run's output directory, `--plan` says what it would write, and writes nothing.
 `load_export(dir, target)` rebuilds a `DFlashDrafter` from such a directory.
 """
 
@@ -56,10 +57,17 @@ from torch import nn
 
 from dflash_ops.core.mask_token import mask_token_problem
 from dflash_ops.core.runtime import FILE_MODE, ensure_dir, output_mode, readable, write_file
+from dflash_ops.core.safe_paths import check_directory
 from dflash_ops.data.target import DTYPES
 from dflash_ops.model import drafter as drafter_module
 from dflash_ops.model import modeling_dflash
 from dflash_ops.model.drafter import SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
+from dflash_ops.serve.export_dspark import (
+    DSPARK_ARCHITECTURE,
+    dspark_hf_config,
+    dspark_weight_name_problem,
+    is_dspark_state,
+)
 from dflash_ops.training.checkpoint import (
     CHECKPOINT_DIR,
     checkpoint_name,
@@ -302,6 +310,9 @@ def export_checksums(out_dir: str | Path, dtype: str | None = None) -> dict[str,
             return None
     except (OSError, ValueError):
         return None
+    # Its code is what a loader runs (trust_remote_code): kept only while it is this release's own.
+    if any(sums.get(source.name) != sha256_of(source) for source in CODE_FILES):
+        return None
     return sums
 
 
@@ -324,6 +335,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(json.dumps({"event": "warning", "message": message}), file=sys.stderr)
     config = drafter_hf_config(drafter_cfg, meta["layer_ids"], json.loads(target_config_path.read_text()),
                                dtype)
+    if is_dspark_state(model_state):  # DSpark's heads, in vLLM's Qwen3DSparkModel layout (export_dspark)
+        config = dspark_hf_config(config, model_state)
     # How it was trained to weigh the block positions (optim.loss_weighting), for whoever compares drafters,
     # and the thinking mode of its data (data.enable_thinking; null: a checkpoint that did not record it),
     # the mode to serve it in, with whether a data manifest confirmed it (null: a checkpoint from before).
@@ -358,6 +371,8 @@ def weight_name_problem(config: dict, names) -> str | None:
     built from `config` on the meta device). None when they match."""
     from transformers import Qwen3Config
 
+    if config.get("architectures") == [DSPARK_ARCHITECTURE]:  # checked against vLLM's DSpark loader
+        return dspark_weight_name_problem(config, names)
     with torch.device("meta"):
         model = modeling_dflash.DFlashDraftModel(Qwen3Config.from_dict(config))
     expected, got = set(model.state_dict()), set(names)
@@ -454,6 +469,8 @@ def run_export(checkpoint: str | Path, step: int | None, out: str | Path | None,
     `into` and `step`, an export of that step already there is kept even when the run has removed
     the checkpoint since (its `checkpoint` is then null)."""
     latest = step is None  # the run's latest checkpoint: warned of when the run trained past it
+    if into is not None and os.path.lexists(into):
+        check_directory(into)  # only this user's exports are kept or written over: never another user's
     kept = Path(into) / checkpoint_name(step) if into is not None and step is not None else None
     sums = export_checksums(kept, dtype) if kept is not None else None
     if sums is not None:

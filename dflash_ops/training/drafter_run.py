@@ -46,7 +46,9 @@ from dflash_ops.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from dflash_ops.training.checkpoint_writer import CheckpointWriter
 from dflash_ops.training.heldout import HeldOutEvaluator
+from dflash_ops.training.mlflow_tracking import track
 from dflash_ops.training.resume_check import config_changes, describe
 from dflash_ops.training.telemetry import IntervalMeter, RunTelemetry
 from dflash_ops.training.trainer import (
@@ -114,9 +116,16 @@ class DrafterRun:
                                       self.drafters.process_group)
         self.last_saved_step: int | None = None
         self.checkpoint_error: str | None = None  # why the latest save failed (None once one succeeds)
+        # Checkpoints are written on a thread (dflash_ops.training.checkpoint_writer): the step of the
+        # save whose outcome the drafters have not yet agreed on, and whether this rank's write failed.
+        self.writer = CheckpointWriter()
+        self.unsettled_save: int | None = None
+        self.save_failed = False
         self.meter = IntervalMeter()
-        self.telemetry = RunTelemetry(self.output_dir, enabled=self.drafters.writes_files,
-                                      warn=lambda message: self.log.emit("warning", message=message))
+        warn = lambda message: self.log.emit("warning", message=message)  # noqa: E731
+        # metrics.jsonl and TensorBoard; MLflow too when the config names a server (else nothing imported).
+        self.telemetry = track(RunTelemetry(self.output_dir, enabled=self.drafters.writes_files, warn=warn),
+                               cfg, enabled=self.drafters.writes_files, warn=warn)
         self.vocab_size = head.config.vocab_size
         self.heldout = None
         self.heldout_taus: dict[int, float] = {}  # this process's, by step (run.keep_best)
@@ -178,9 +187,13 @@ class DrafterRun:
             self.log.emit("warning", message=f"resumed with keys changed since {checkpoint.name} was saved: "
                           f"{describe(changes)} (applied from this run's config)")
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
         """Every drafter rank takes part (its random state goes into the checkpoint); those that write
-        the run's files write it (DDP keeps every drafter's weights and optimizer the same)."""
+        the run's files copy the state to host memory and write it on a thread (DDP keeps every
+        drafter's weights and optimizer the same). The previous save is settled first: at most one
+        write is in flight. The `final` save (nothing trains after it) writes the state as it is, no copy,
+        and the run waits for it (`settle_save`)."""
+        self.settle_save()
         step = self.trainer.step
         states = self.drafters.gather(self.random_state())
         if self.drafters.writes_files:
@@ -192,28 +205,50 @@ class DrafterRun:
                     "enable_thinking_confirmed": self.thinking_confirmed,
                     "data_position": self.order.state_dict()}  # the batches taken: elastic resume's
             state = {"trainer": self.trainer.state_dict(), "data": self.order.state_dict(), "rng": states}
-            try:
-                spare = (best_step_to_keep(self.output_dir, step, self.heldout_taus)
-                         if self.cfg.run.keep_best else None)
-                path = save_checkpoint(self.output_dir, step, drafter.trainable_state_dict(), state,
-                                       dump_config(self.cfg), meta, self.cfg.run.keep_checkpoints, spare)
-            except OSError as exc:  # a full disk: the run goes on, and says so
-                last = latest_checkpoint(self.output_dir)
-                self.log.emit("checkpoint_failed", step=step, message=(
-                    f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
-                    f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
-                    f"{last.name if last else 'none'}; the next save tries again"))
-                self.checkpoint_error = f"{exc.strerror or exc}"
-                saved = False
-            else:
-                self.log.emit("checkpoint", step=step, path=str(path))
-                self.checkpoint_error = None
-                saved = True
+            # The only part the next step waits for: the copy to host memory.
+            weights, state = ((drafter.trainable_state_dict(), state) if final
+                              else self.writer.snapshot((drafter.trainable_state_dict(), state)))
+            output_dir, config_yaml = self.output_dir, dump_config(self.cfg)
+            keep = self.cfg.run.keep_checkpoints
+            taus = dict(self.heldout_taus) if self.cfg.run.keep_best else None  # run.keep_best's
+
+            def write() -> Path:
+                spare = None if taus is None else best_step_to_keep(output_dir, step, taus)
+                return save_checkpoint(output_dir, step, weights, state, config_yaml, meta, keep, spare)
+
+            self.writer.start(step, write)
+        self.unsettled_save = step
+
+    def report_save(self, wait: bool) -> None:
+        """The outcome of this rank's write in flight, logged once it has finished (at once with `wait`):
+        `checkpoint`, or `checkpoint_failed` when the disk could not take it (the run goes on)."""
+        if not self.writer.in_flight or not (wait or self.writer.done()):
+            return
+        step = self.writer.step
+        try:
+            path = self.writer.wait()
+        except OSError as exc:  # a full disk: the run goes on, and says so
+            last = latest_checkpoint(self.output_dir)
+            self.log.emit("checkpoint_failed", step=step, message=(
+                f"checkpoint step {step} could not be written in {self.output_dir}/checkpoints "
+                f"({exc.strerror or exc}); nothing of it was kept, the last complete checkpoint is "
+                f"{last.name if last else 'none'}; the next save tries again"))
+            self.checkpoint_error = f"{exc.strerror or exc}"
+            self.save_failed = True
         else:
-            saved = True
-        # Every drafter agrees whether the step is saved, so that all of them (or none) save again at the end.
-        if not self.drafters.any(not saved):
-            self.last_saved_step = step
+            self.log.emit("checkpoint", step=step, path=str(path))
+            self.checkpoint_error = None
+            self.save_failed = False
+
+    def settle_save(self) -> None:
+        """Wait for the write of the last save, and agree with every drafter whether it was saved, so
+        that all of them (or none) save again at the end (a collective: every drafter calls it)."""
+        if self.unsettled_save is None:
+            return
+        self.report_save(wait=True)
+        if not self.drafters.any(self.save_failed):
+            self.last_saved_step = self.unsettled_save
+        self.unsettled_save = None
 
     def evaluate_heldout(self) -> None:
         """Held-out loss and tau of the drafter now: logged and recorded."""
@@ -235,7 +270,6 @@ class DrafterRun:
     def run(self, source, stop) -> str:
         """Train until done, stopped, or the per-run step budget is spent; return why it ended. Each
         step's time runs from asking `source` for its batch to the end of the optimizer step."""
-        run_cfg, total = self.cfg.run, self.cfg.total_steps
         # One line says where the step count comes from: epochs (null: optim.total_steps), examples,
         # batch_size, drafters, total_steps.
         plan = {**self.cfg.step_plan, "examples": len(self.examples)}
@@ -248,6 +282,22 @@ class DrafterRun:
                       **({"overrides": list(self.cfg.overrides)} if self.cfg.overrides else {}))
         if counts is not None and counts.warning(self.cfg.data):
             self.log.emit("warning", message=counts.warning(self.cfg.data))
+        try:
+            reason = self.steps(source, stop)
+        finally:  # a write in flight finishes before the run ends, however it ends
+            self.report_save(wait=True)
+        self.settle_save()
+        if self.last_saved_step != self.trainer.step:
+            self.save(final=True)
+            self.settle_save()
+        if self.last_saved_step != self.trainer.step and self.drafters.writes_files:
+            self.log_lost_steps()
+        self.telemetry.close()
+        return reason
+
+    def steps(self, source, stop) -> str:
+        """The step loop of `run`: its steps, held-out evaluations and saves; why it ended."""
+        run_cfg, total = self.cfg.run, self.cfg.total_steps
         steps_this_run, first_step, logged_batches = 0, {}, self.order.batches
         while (reason := self.end_reason(steps_this_run)) is None:
             started = time.perf_counter()
@@ -277,14 +327,10 @@ class DrafterRun:
                                    samples / max(seconds, 1e-9))
             if self.heldout is not None and (result.step % run_cfg.eval_every == 0 or result.step == total):
                 self.evaluate_heldout()
+            self.report_save(wait=False)
             if result.step % run_cfg.save_every == 0:
                 self.save()
             stop.sleep(run_cfg.step_delay)
-        if self.last_saved_step != self.trainer.step:
-            self.save()
-        if self.last_saved_step != self.trainer.step and self.drafters.writes_files:
-            self.log_lost_steps()
-        self.telemetry.close()
         return reason
 
     def micro_batches(self, source, stop) -> list[dict] | None:

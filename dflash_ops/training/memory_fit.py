@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ops.core.config import ConfigError, TrainConfig
+from dflash_ops.core.loss_section import capture_layer_ids, needs_target
 from dflash_ops.core.target_layers import build_target_layer_ids
 
 GiB = 1 << 30
@@ -25,6 +26,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # chunk's logits and gradient while they exist (6 bytes).
 LOSS_BYTES_UNCHUNKED = 11.0
 LOSS_BYTES_CHUNK = 6.0
+# A loss against the target's distribution (loss.kind other than ce: dflash_ops.model.distill.mix_chunk, the
+# DSpark head's recomputed chunk), per (scored position, vocabulary entry) of a chunk: the drafter's and the
+# target's bf16 logits and up to nine float32 [rows, vocab] tensors at its peak (log q, q, log p, p, the
+# gradient, q - p, its sign and two products): counted from the code, not measured on a GPU.
+LOSS_BYTES_TARGET_CHUNK = 40.0
 # A step's working set per (query, hidden channel), from section 9's chunked steps at H 4096 (bf16
 # autocast): each draft layer's saved activations and bf16 weight copies, the 5-layer step's growth over
 # the 1-layer step's at 4096 queries ((4.96 - 1.80) GiB / 4 layers); and what a query holds outside
@@ -37,9 +43,13 @@ QUERY_ACTIVATION_BYTES = 30.0
 # target's dtype: CAPTURE_WORKING_BASE plus CAPTURE_WORKING_PER_MLP per unit of intermediate / hidden (the
 # MLP's gate and up outputs and their product, I wide each). `benchmarks/heldout_capture.py` measured a
 # pass of 8 rows x 512 at H 256 with I 512, 768 and 1024: 10.1, 13.1 and 16.1 (BENCHMARKS.md section 15);
-# section 5's 10 at I = 2H is the same line. Qwen3's MLP is 3H: 13.
+# section 5's 10 at I = 2H is the same line. Qwen3's MLP is 3H: 13. A packed pass (the documents in one
+# row, `dflash_ops.data.target.target_document_states`) also holds RoPE's cos and sin for each of its
+# tokens, head_dim wide each, where a padded pass held them once per position: CAPTURE_WORKING_ROPE per
+# unit of head_dim / hidden (0.5 at H 128 with heads of 32, measured 10.55 against 10.0; 0.06 at Qwen3-8B).
 CAPTURE_WORKING_BASE = 4.0
 CAPTURE_WORKING_PER_MLP = 3.0
+CAPTURE_WORKING_ROPE = 2.0
 # What a process holds before its model: the CUDA context and its kernels on a GPU (an estimate until
 # the GPU check measures it; nvidia-smi sees it, torch's allocator does not); on CPU the rehearsal
 # measures Python + torch + the trainer's imports and passes it in (`runtime_bytes`).
@@ -104,6 +114,11 @@ class TargetShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
 
+# Qwen3-8B's config.json (the recipe's target): the shape the measured figures were taken at.
+QWEN3_8B = TargetShape(num_layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, tied=False)
+
+
 @dataclass(frozen=True)
 class RolePeak:
     """One rank's predicted peak: (term name, bytes) in the order docs/SCALE.md lists them."""
@@ -124,11 +139,26 @@ def drafter_parameters(cfg: TrainConfig, shape: TargetShape) -> int:
     """The drafter's trainable parameters: `fc` over the k target features, its layers, two norms."""
     k = len(feature_layer_ids(cfg, shape))
     layers = cfg.model.num_draft_layers * shape.layer_parameters()
-    return k * shape.hidden * shape.hidden + layers + 2 * shape.hidden
+    return k * shape.hidden * shape.hidden + layers + 2 * shape.hidden + dspark_head_parameters(cfg, shape)
+
+
+def dspark_head_parameters(cfg: TrainConfig, shape: TargetShape) -> int:
+    """DSpark's heads (model.kind dspark, `dflash_ops.model.dspark`): markov_w1 and markov_w2, vocab x rank
+    each, and the confidence head's hidden + rank weights and bias; 0 for DFlash."""
+    m = cfg.model
+    if m.kind != "dspark":
+        return 0
+    return 2 * shape.vocab * m.markov_rank + ((shape.hidden + m.markov_rank + 1) if m.confidence_head else 0)
 
 
 def feature_layer_ids(cfg: TrainConfig, shape: TargetShape) -> list[int]:
     return cfg.model.target_layer_ids or build_target_layer_ids(shape.num_layers, cfg.model.num_draft_layers)
+
+
+def sent_layer_ids(cfg: TrainConfig, shape: TargetShape) -> list[int]:
+    """The layers a target rank captures and sends: the drafter's, and the last one when loss.kind needs the
+    target's distribution (its last hidden state: `dflash_ops.core.loss_section.capture_layer_ids`)."""
+    return capture_layer_ids(feature_layer_ids(cfg, shape), shape.num_layers, cfg.loss.mix)
 
 
 def nccl_bytes(cfg: TrainConfig, role: str) -> int:
@@ -169,7 +199,13 @@ def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Ro
     drafters = sum(n for n, _ in p.member_counts) if p.is_multi_process else 1
     loss = (min(m.loss_chunk_size, scored) * LOSS_BYTES_CHUNK if m.loss_chunk_size is not None
             else scored * LOSS_BYTES_UNCHUNKED) * shape.vocab
-    feature_batch = d.batch_size * d.max_length * k * shape.hidden * dtype
+    # A loss against the target's distribution holds the target's logits and both distributions
+    # (LOSS_BYTES_TARGET_CHUNK a chunk's entry), and each batch carries the target's last hidden state as one
+    # more feature column.
+    if needs_target(cfg.loss.mix):
+        loss = min(m.loss_chunk_size or scored, scored) * LOSS_BYTES_TARGET_CHUNK * shape.vocab
+    sent = len(sent_layer_ids(cfg, shape))
+    feature_batch = d.batch_size * d.max_length * sent * shape.hidden * dtype
     queued = p.queue_depth + 1 if p.is_multi_process else 1  # the queue plus the batch in training
     on_gpu = p.device == "cuda"
     terms = [
@@ -195,7 +231,8 @@ def drafter_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Ro
 
 def capture_working_elements(shape: TargetShape) -> float:
     """A capture pass's working set per (row, token, hidden channel), in elements of the model dtype."""
-    return CAPTURE_WORKING_BASE + CAPTURE_WORKING_PER_MLP * shape.intermediate / shape.hidden
+    return (CAPTURE_WORKING_BASE + CAPTURE_WORKING_PER_MLP * shape.intermediate / shape.hidden
+            + CAPTURE_WORKING_ROPE * shape.head_dim / shape.hidden)
 
 
 def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> RolePeak:
@@ -205,7 +242,7 @@ def target_peak(cfg: TrainConfig, shape: TargetShape, runtime_bytes: int) -> Rol
     there), and neither the embedding (a batch reads a few of its rows) nor the lm_head."""
     m, d = cfg.model, cfg.data
     dtype = DTYPE_BYTES[m.dtype]
-    ids = feature_layer_ids(cfg, shape)
+    ids = sent_layer_ids(cfg, shape)
     rows = min(m.target_rows_per_pass or d.batch_size, d.batch_size)
     on_gpu = cfg.pipeline.device == "cuda"
     layers = shape.num_layers if on_gpu else max(ids) + 1

@@ -4,7 +4,9 @@ Each RUN is a run's output directory (its `metrics.jsonl`) or a metrics file its
 a container for example. Writes `DIR/loss.png` (training loss, the mean of each log interval, and
 held-out loss against the step) and `DIR/tau.png` (held-out tau against the step), one line per
 run, labelled with the run's directory name (or `--labels`). A step recorded twice (steps redone
-after a resume) is drawn once, with its latest figures.
+after a resume) is drawn once, with its latest figures. DIR must be this user's (made when missing, no
+link on the way, dflash_ops.core.safe_paths); each PNG is written 0600 to a temporary file there and
+renamed over its name, so a link planted at `loss.png` is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_ops.core.runtime import ensure_dir
+from dflash_ops.core.safe_paths import replace_file
 from dflash_ops.training.telemetry import METRICS_FILE
 
 
@@ -58,8 +62,7 @@ def plot_runs(runs: dict[str, dict[str, dict[int, dict]]], out_dir: str | Path) 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_dir(out_dir)  # never another user's directory, nor one reached through a link
     written = []
     figures = (
         ("loss.png", "loss", [("train", "loss", "train"), ("heldout", "heldout_loss", "held-out")]),
@@ -81,9 +84,9 @@ def plot_runs(runs: dict[str, dict[str, dict[int, dict]]], out_dir: str | Path) 
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / name)
+        # A link planted at out_dir/name is replaced by the rename, never written through.
+        written.append(replace_file(out_dir, name, lambda handle, fig=fig: fig.savefig(handle, format="png")))
         plt.close(fig)
-        written.append(out_dir / name)
     return written
 
 
@@ -101,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                              for r in args.runs]
     try:
         runs = {label: read_metrics(run) for label, run in zip(labels, args.runs, strict=True)}
-    except (FileNotFoundError, ValueError) as err:
+        written = plot_runs(runs, args.out)
+    except (FileNotFoundError, ValueError) as err:  # UnsafePath too: a directory of another user's
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for path in plot_runs(runs, args.out):
+    for path in written:
         print(path)
     for name in empty_figures(runs):
         print(f"note: {name} is empty: {' '.join(EMPTY_NOTE.split())}", file=sys.stderr)

@@ -25,7 +25,7 @@ from dflash_ops.training.checkpoint import check_loss_weighting, check_step_plan
 
 # Keys whose change makes the checkpoint's weights another model's.
 SHAPE_KEYS = ("model.num_draft_layers", "model.block_size", "model.target_layer_ids", "model.layer_types",
-              "model.sliding_window")
+              "model.sliding_window", "model.kind", "model.markov_rank", "model.confidence_head")
 # Keys a resume cannot apply, and why: refused rather than announced and ignored.
 FIXED = {"run.seed": "the data order and the random states go on from the checkpoint's, drawn from its seed"}
 # The target's figures the drafter's weights are shaped by, as the checkpoint's drafter_config holds them.

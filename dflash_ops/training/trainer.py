@@ -24,16 +24,21 @@ from dflash_ops.core.config import OptimConfig, TrainConfig
 from dflash_ops.core.mask_token import resolve_mask_token_id
 from dflash_ops.core.target_layers import build_target_layer_ids
 from dflash_ops.data.target import TargetHead
+from dflash_ops.model.distill import scored_mix_loss, split_features
 from dflash_ops.model.drafter import BlockMask, DFlashDrafter, DrafterConfig
+from dflash_ops.model.dspark import DSparkDrafter, dspark_loss, dspark_targets
 from dflash_ops.model.flex import choose_attention
 from dflash_ops.model.loss import (
     BlockBatch,
+    ChunkLoss,
     build_block_batch,
     chunked_head_loss_on_device,
     correct_by_position,
+    cross_entropy_chunk_loss,
     dflash_loss,
     dpace_row_weights,
     sample_anchors,
+    softmax_cross_entropy,
 )
 
 # Where a step reads the device from the host (`.item()`, `.tolist()`, `.cpu()`, a tensor's bool, int or
@@ -64,7 +69,11 @@ def build_drafter(cfg: TrainConfig, head: TargetHead) -> DFlashDrafter:
         block_size=cfg.model.block_size, mask_token_id=mask_token_id,
         layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
     )
-    drafter = DFlashDrafter(drafter_cfg, head.embed_tokens, head.lm_head)
+    if cfg.model.kind == "dspark":  # the DFlash backbone with DSpark's heads (dflash_ops.model.dspark)
+        drafter = DSparkDrafter(drafter_cfg, head.embed_tokens, head.lm_head, cfg.model.markov_rank,
+                                cfg.model.confidence_head)
+    else:
+        drafter = DFlashDrafter(drafter_cfg, head.embed_tokens, head.lm_head)
     return drafter.to(device=head.embed_tokens.weight.device)
 
 
@@ -88,11 +97,28 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def compiled_regions_on(device: torch.device) -> bool:
+    """Whether the drafter's elementwise work and the head's cross entropy run under torch.compile
+    (`dflash_ops.model.drafter.compiled_regions`, `dflash_ops.model.loss.fused_softmax_cross_entropy`):
+    on CUDA, where they are fused kernels; elsewhere they run as written (the exact reference)."""
+    return device.type == "cuda"
+
+
+def adamw_implementation(params: list[torch.Tensor]) -> dict:
+    """AdamW's implementation for `params`: `fused=True` (one kernel over all of them) when they are all on
+    CUDA, torch's `foreach` path (a few kernels per parameter list) elsewhere."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def make_optimizer_and_scheduler(params, optim: OptimConfig, total_steps: int):
-    """AdamW over `params` and a LambdaLR with warmup + optim.schedule over the run's `total_steps` (optim's,
-    or those its epochs derive: `TrainConfig.total_steps`) (paper: lr 6e-4, warmup 4%)."""
+    """AdamW over `params` (`adamw_implementation`) and a LambdaLR with warmup + optim.schedule over the run's
+    `total_steps` (optim's, or those its epochs derive: `TrainConfig.total_steps`) (paper: lr 6e-4, warmup
+    4%)."""
     params = [p for p in params if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay,
+                                  **adamw_implementation(params))
     return optimizer, make_scheduler(optimizer, optim, total_steps)
 
 
@@ -130,16 +156,24 @@ def document_groups(bounds: list[int], blocks_per_document: list[int], max_token
     return [(first, last) for first, last in groups if sum(blocks_per_document[first:last])]
 
 
+def scored_weight(batch: BlockBatch) -> torch.Tensor:
+    """The weight a group adds to the batch's normalizer: its scored rows' (DSpark's rows, if it has them)."""
+    dspark = getattr(batch, "dspark", None)
+    return batch.weights.sum() if dspark is None else dspark.weights.sum()
+
+
 def scored_loss(drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch,
                 normalizer: float | torch.Tensor, chunk_size: int | None,
-                dpace_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                dpace_alpha: float | None = None, chunk_loss: ChunkLoss = softmax_cross_entropy
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A group's share of the batch loss (sum(w * ce) / `normalizer`) from the drafter's hidden
     states `[Q, H]`, and per block position (`[b]` tensors) the scored predictions equal to the label
     and the scored predictions. The lm_head (vocab-wide) runs only where a position is scored
     (`batch.scored_rows`), never on anchors: `chunk_size` rows at a time (`chunked_head_loss`), or all
     at once when None. With `dpace_alpha` the weights are D-PACE's, from the drafter's own cross
     entropies of this pass (`dflash_ops.model.loss.dpace_row_weights`; the batch's weights then only say
-    which rows are scored). Nothing here waits for the device."""
+    which rows are scored). `chunk_loss`: the chunked head's loss of a chunk of logits
+    (`dflash_ops.model.loss.ChunkLoss`). Nothing here waits for the device."""
     block_size = drafter.cfg.block_size
     rows = batch.scored_rows
     labels, weights = batch.labels[rows], batch.weights[rows]
@@ -148,7 +182,7 @@ def scored_loss(drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch,
         dpace_row_weights, rows=rows, n_rows=batch.weights.numel(), block_size=block_size, alpha=dpace_alpha)
     if chunk_size is not None:
         return chunked_head_loss_on_device(hidden[rows], drafter.lm_head, labels, weights, offsets,
-                                           block_size, chunk_size, normalizer, weigh)
+                                           block_size, chunk_size, normalizer, weigh, chunk_loss)
     logits = drafter.logits(hidden[rows])
     loss = dflash_loss(logits, labels, weights, normalizer=normalizer, weigh=weigh)
     return (loss, *correct_by_position(logits, labels, weights, offsets, block_size))
@@ -226,6 +260,13 @@ class DrafterTrainer:
                                                                        cfg.total_steps)
         self.anchor_generator = torch.Generator().manual_seed(anchor_seed(cfg.run.seed, rank))
         self.attention = choose_attention(cfg.model.attention_backend, drafter.fc.weight.device)
+        # The layers' elementwise work and the head's cross entropy: fused under torch.compile on CUDA.
+        self.compiled_regions = compiled_regions_on(drafter.fc.weight.device)
+        drafter.compile_regions(self.compiled_regions)
+        self.chunk_loss = cross_entropy_chunk_loss(self.compiled_regions)
+        # loss.kind other than ce: the mix of dflash_ops.model.distill (None: the cross entropy above).
+        self.loss_mix = None if cfg.loss.mix == {"ce": 1.0} else cfg.loss.mix
+        self.dspark = isinstance(drafter, DSparkDrafter)
         self.step = 0
 
     def sample_anchors(self, loss_mask: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
@@ -260,16 +301,19 @@ class DrafterTrainer:
             parts, n_blocks = self.layout(batch["cu_seqlens"], position_ids, input_ids, loss_mask)
             laid_out.append((features, position_ids, parts, n_blocks))
         # One token-weighted mean over every drafter's scored positions (the batch's, with one drafter).
-        total_weight = global_normalizer(sum(b.weights.sum() for *_, parts, _ in laid_out
+        total_weight = global_normalizer(sum(scored_weight(b) for *_, parts, _ in laid_out
                                              for _, _, b, _ in parts), self.process_group)
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = hits = counts = 0
-        for i, (features, position_ids, parts, _) in enumerate(laid_out):
-            sync = i == len(laid_out) - 1
-            with contextlib.nullcontext() if sync or self.ddp is None else self.ddp.no_sync():
-                micro = self.forward_backward(features, position_ids, parts, total_weight)
-            loss_sum, hits, counts = loss_sum + micro[0], hits + micro[1], counts + micro[2]
+        # One autocast for the whole step: its cache casts each fp32 weight to bf16 once a step, not once
+        # per group of documents (it is dropped on leaving, before the optimizer changes the weights).
+        with compute_precision(self.cfg, device):
+            for i, (features, position_ids, parts, _) in enumerate(laid_out):
+                sync = i == len(laid_out) - 1
+                with contextlib.nullcontext() if sync or self.ddp is None else self.ddp.no_sync():
+                    micro = self.forward_backward(features, position_ids, parts, total_weight)
+                loss_sum, hits, counts = loss_sum + micro[0], hits + micro[1], counts + micro[2]
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.drafter.parameters() if p.requires_grad], self.cfg.optim.max_grad_norm
@@ -303,6 +347,8 @@ class DrafterTrainer:
                                       position_ids[start:end], anchors[first:last], dcfg.block_size,
                                       dcfg.mask_token_id, self.gamma)
             batch.scored_rows  # noqa: B018 (found here, once: the loss reads them in the hot path)
+            if self.dspark:  # DSpark's rows: labels one further, position 0 scored (dflash_ops.model.dspark)
+                batch.dspark = dspark_targets(batch, input_ids[start:end], loss_mask[start:end], self.gamma)
             mask = batch.block_mask(self.attention.backend, context_rows, query_rows, self.attention.compiled)
             parts.append((start, end, batch, mask))
         return parts, sum(a.numel() for a in anchors)
@@ -321,13 +367,29 @@ class DrafterTrainer:
             # however many groups its batch has.
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
-                with compute_precision(self.cfg, device):
-                    hidden = forward(features[start:end], position_ids[start:end], batch.block_input_ids,
+                with compute_precision(self.cfg, device):  # within the step's: its cast weights
+                    # With a loss.kind that needs it, the features' last H columns are the target's last
+                    # hidden state: the loss reads them, the drafter never does.
+                    context, target_last = split_features(features[start:end], self.drafter.cfg.hidden_size,
+                                                          self.drafter.cfg.num_target_features)
+                    hidden = forward(context, position_ids[start:end], batch.block_input_ids,
                                      batch.block_positions, mask)
-                    loss, group_hits, group_counts = scored_loss(
-                        self.drafter, hidden, batch, total_weight, self.cfg.model.loss_chunk_size,
-                        self.dpace_alpha)
-                loss.backward()  # outside autocast: the backward ops follow the forward's dtypes
+                    if self.dspark:
+                        loss, group_hits, group_counts = dspark_loss(
+                            self.drafter, hidden, batch.dspark, target_last, total_weight, self.cfg.loss.mix,
+                            self.cfg.model.loss_chunk_size, self.dpace_alpha, batch.weights.numel())
+                    elif self.loss_mix is None:
+                        loss, group_hits, group_counts = scored_loss(
+                            self.drafter, hidden, batch, total_weight, self.cfg.model.loss_chunk_size,
+                            self.dpace_alpha, self.chunk_loss)
+                    else:
+                        loss, group_hits, group_counts = scored_mix_loss(
+                            self.drafter, hidden, batch, target_last, total_weight,
+                            self.cfg.model.loss_chunk_size, self.loss_mix, self.dpace_alpha)
+                # Outside autocast (the backward ops follow the forward's dtypes); an inner disabled
+                # autocast, so that the step's cache of cast weights outlives it.
+                with torch.autocast(device.type, enabled=False):
+                    loss.backward()
             loss_sum = loss_sum + loss.detach().float()
             hits, counts = hits + group_hits, counts + group_counts
         return loss_sum, hits, counts

@@ -1,4 +1,5 @@
-"""The GPU check runs end to end on CPU at a tiny width (`--dry-run`) before a GPU sees it."""
+"""The GPU check runs end to end on CPU at a tiny width (`--dry-run`) before a GPU sees it, checks its
+toolchain first and fits one call (its parts by value within `--budget`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import gpu_check_plan as plan
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -20,17 +23,17 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-# Under make test-reliability only: 2.5 min of the benchmark's CPU dry run (a benchmark, not a
-# promise of the product).
-@pytest.mark.reliability_full
-def test_the_dry_run_measures_every_part_and_writes_its_table_and_json(tmp_path):
-    done = gpu_check("--dry-run", "--out", str(tmp_path))
+def test_the_dry_run_runs_every_part_in_the_order_of_value_and_writes_its_table_and_json(tmp_path):
+    """~35 s of CPU: every part at a tiny width, the training part's three runs in processes of their own."""
+    done = gpu_check("--dry-run", "--parts", *reversed(plan.ORDER), "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record == json.loads((tmp_path / "gpu_check.json").read_text())
-    assert record["ok"] and record["dry_run"]
-    assert not [part for part in ("drafter_step", "target_capture", "gpu_tests", "training", "recipe")
-                if "error" in record[part]]
+    assert record["ok"] and record["dry_run"] and record["budget_s"] is None
+    parts = [key for key in record if key in plan.ORDER]
+    assert parts == list(plan.ORDER)  # most valuable first, the tiles last, whatever the order asked
+    assert not [part for part in parts if "error" in record[part] or "left_out" in record[part]]
+    assert record["toolchain"]["compiler"] and not record["toolchain"]["problems"]  # Triton: a note on CPU
 
     drafter = record["drafter_step"]
     assert drafter["unchunked"]["loss"] == pytest.approx(drafter["chunked"]["loss"], rel=1e-3)
@@ -39,23 +42,11 @@ def test_the_dry_run_measures_every_part_and_writes_its_table_and_json(tmp_path)
     assert capture["whole_batch"]["tokens_per_s"] > 0 and capture["rows_per_pass_1"]["tokens_per_s"] > 0
     if "summary" in record["gpu_tests"]:  # pytest found: the CUDA tests were selected and skipped
         assert "skipped" in record["gpu_tests"]["summary"]
+        assert "tests/dflash/model/test_flex_attention.py" in record["gpu_tests"]["paths"]
     training = record["training"]
     assert training["device"] == "cpu" and training["stop"] == "signal SIGTERM"
     assert 3 <= training["stopped_at"] < training["steps"] and training["losses_equal"]
 
-    table = (tmp_path / "gpu_check.txt").read_text()
-    for heading in ("a. drafter step", "b. target capture", "c. pytest -m gpu", "d. training",
-                    "e. the recipe", "nccl"):
-        assert heading in table
-    assert table in done.stdout
-
-
-@pytest.mark.slow
-def test_the_dry_run_of_the_recipe_measures_its_step_and_held_out_evaluation_beside_the_prediction(tmp_path):
-    done = gpu_check("--dry-run", "--parts", "recipe", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
-    assert record["ok"] and set(record) >= {"recipe"} and "training" not in record  # that part alone
     recipe = record["recipe"]
     step, heldout = recipe["drafter_step"], recipe["heldout"]
     assert step["blocks"] == 2 * 8 and step["loss"] > 0  # batch 2, 8 anchors a sequence: the dry shape
@@ -67,9 +58,76 @@ def test_the_dry_run_of_the_recipe_measures_its_step_and_held_out_evaluation_bes
     assert "ddp_buckets" not in step["predicted_terms_gib"]
     assert "heldout_features" not in step["predicted_terms_gib"]
     assert "heldout_features" in heldout["predicted_terms_gib"]
+
+    auto, tiles = record["drafter_speed"]["auto"], record["tiles_speed"]["tiles"]
+    assert "tiles" not in record["drafter_speed"] and "auto" not in record["tiles_speed"]
+    # torch has no FlexAttention backward on CPU: there auto is the tiles, and says why.
+    assert auto["backend"] == tiles["backend"] == "tiles" and "backward" in auto["reason"]
+    for row in (auto, tiles):
+        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and row["blocks"] == 2 * 8
+        assert row["new_graphs_after_warmup"] == 0
+    assert len(auto["steps_s"]) == 4 and len(tiles["steps_s"]) == 1  # the tiles: one measured step
+    assert auto["loss"] == pytest.approx(tiles["loss"], rel=1e-2)  # same weights, data and anchors
+    assert record["drafter_speed"]["reference"]["samples_per_s"] == 8.7
+
     table = (tmp_path / "gpu_check.txt").read_text()
-    assert "e. the recipe's drafter rank (configs/qwen3-8b.yaml: 2 layers" in table
-    assert "drafter_step |" in table and "heldout |" in table and "a. drafter step" not in table
+    for heading in ("toolchain: Triton", "a. drafter step", "b. target capture", "c. pytest -m gpu",
+                    "d. training", "e. the recipe's drafter rank (configs/qwen3-8b.yaml: 2 layers",
+                    "f. the drafter step by attention backend (2 layers, H 64, batch 2 x 64",
+                    "speed-up over the tiles", "seconds by part", "nccl"):
+        assert heading in table
+    assert table in done.stdout
+
+
+def test_the_parts_run_by_value_and_start_only_within_the_budget():
+    assert plan.ordered(["tiles_speed", "drafter_step", "gpu_tests", "drafter_speed"]) == \
+        ["drafter_speed", "gpu_tests", "drafter_step", "tiles_speed"]
+    assert plan.fits("drafter_speed", 0, None) is None and plan.fits("drafter_speed", 0, 540) is None
+    assert plan.fits("drafter_speed", 540 - plan.ESTIMATED_S["drafter_speed"], 540) is None
+    why = plan.fits("tiles_speed", 400, 540)
+    assert "left out for the budget" in why and "140 s of --budget 540 left" in why
+    # The default parts, estimated, fit one 10-minute call; the tiles row is off unless named.
+    elapsed = 0
+    for part in (p for p in plan.ORDER if p not in plan.OFF_UNLESS_NAMED):
+        if plan.fits(part, elapsed, plan.DEFAULT_BUDGET_S) is None:
+            elapsed += plan.ESTIMATED_S[part]
+    assert plan.DEFAULT_BUDGET_S < 600 and elapsed <= plan.DEFAULT_BUDGET_S
+    assert plan.OFF_UNLESS_NAMED == ("tiles_speed",) and plan.ORDER[-1] == "tiles_speed"
+
+
+def test_a_budget_leaves_out_the_parts_it_cannot_fit_and_says_so(tmp_path):
+    done = gpu_check("--dry-run", "--budget", "0", "--parts", "training", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["ok"] and "left out for the budget" in record["training"]["left_out"]
+    assert "training: left out for the budget" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_the_toolchain_names_a_missing_compiler_or_one_that_cannot_build_triton_s_launcher(tmp_path):
+    bare = {"PATH": str(tmp_path)}  # no gcc, no clang, no CC
+    found = plan.toolchain(need_triton=False, env=bare)
+    assert found["compiler"] is None and "no C compiler" in found["problems"][0]
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'fatal error: Python.h: No such file or directory' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    found = plan.toolchain(need_triton=False, env={**bare, "CC": str(broken)})
+    (problem,) = found["problems"]
+    assert "cannot build a Python extension as Triton does" in problem and "Python.h" in problem
+    assert "-shared -fPIC" in problem
+    found = plan.toolchain(need_triton=True, env=dict(os.environ))
+    if found["triton"] is None:  # the CPU wheel's venv: on a GPU this is a problem, named first
+        assert any("Triton is not importable" in p for p in found["problems"])
+    assert not [p for p in found["problems"] if "compiler" in p]  # this machine builds it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_without_a_toolchain_the_check_fails_first_naming_everything_missing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CC": str(tmp_path / "no-such-cc")}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "out")],
+                          cwd=REPO, text=True, capture_output=True, timeout=120, env=env)
+    assert done.returncode == 1 and "nothing was measured" in done.stderr
+    assert "no CUDA device" in done.stderr and "cannot build a Python extension" in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_recipe_prediction_is_the_memory_model_s_drafter_rank_on_one_gpu(tmp_path):
@@ -107,27 +165,6 @@ def test_without_cuda_the_check_measures_nothing_and_says_so(tmp_path):
     assert done.returncode == 1
     assert "no CUDA device" in done.stderr and "--dry-run" in done.stderr
     assert not list(tmp_path.iterdir())
-
-
-@pytest.mark.slow
-def test_the_dry_run_of_the_drafter_speed_part_runs_each_backend_and_says_which_it_used(tmp_path):
-    done = gpu_check("--dry-run", "--parts", "drafter_speed", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
-    assert record["ok"] and "recipe" not in record  # that part alone
-    speed = record["drafter_speed"]
-    auto, tiles = speed["auto"], speed["tiles"]
-    # torch has no FlexAttention backward on CPU: there auto is the tiles, and says why.
-    assert auto["backend"] == tiles["backend"] == "tiles" and "backward" in auto["reason"]
-    for row in (auto, tiles):
-        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and row["blocks"] == 2 * 8
-        assert row["new_graphs_after_warmup"] == 0
-    assert len(auto["steps_s"]) == 4 and len(tiles["steps_s"]) == 1  # the tiles: one measured step
-    assert auto["loss"] == pytest.approx(tiles["loss"], rel=1e-2)  # same weights, data and anchors
-    assert speed["reference"]["samples_per_s"] == 8.7 and speed["speedup"] > 0
-    table = (tmp_path / "gpu_check.txt").read_text()
-    assert "f. the drafter step by attention backend (2 layers, H 64, batch 2 x 64" in table
-    assert "speed-up over the tiles" in table and "a. drafter step" not in table
 
 
 def test_the_process_s_gpu_memory_is_its_own_line_of_nvidia_smi(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """dflash_release_tree's action plugin turns a release that does not validate into one message: the
 trainer's words and the inventory variable to fix (the bad-input table's words come from here); and it
-warns when what run.sh exports in the clear has a name that looks like a secret's."""
+refuses what run.sh would export in the clear under a name that looks like a secret's, unless allowed."""
 
 from __future__ import annotations
 
@@ -69,10 +69,11 @@ PLAY = """
           templates:
             run.sh: run.sh.j2
           environment: "{{{{ dflash_release_environment }}}}"
+          environment_allowed: "{{{{ dflash_release_environment_allowed }}}}"
 """
 
 
-def deploy(tmp_path, environment):
+def deploy(tmp_path, environment, allowed=None):
     (tmp_path / "pkg").mkdir(exist_ok=True)
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "templates").mkdir(exist_ok=True)
@@ -82,6 +83,7 @@ def deploy(tmp_path, environment):
     play.write_text(PLAY.format(dir=tmp_path))
     variables = tmp_path / "vars.json"
     variables.write_text(json.dumps({"dflash_release_environment": environment,
+                                     "dflash_release_environment_allowed": allowed or [],
                                      "dflash_release_venv": "/opt/dflash/venv"}))
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     return subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local",
@@ -89,11 +91,16 @@ def deploy(tmp_path, environment):
                            str(play)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def test_a_deploy_warns_when_run_sh_would_export_a_secret_in_the_clear(tmp_path):
+def test_a_deploy_refuses_to_export_a_secret_in_the_clear_unless_the_name_is_allowed(tmp_path):
     res = deploy(tmp_path, {"HF_TOKEN": "hf_not_for_run_sh", "OMP_NUM_THREADS": "4"})
-    assert res.returncode == 0, res.stdout + res.stderr
-    output = " ".join((res.stdout + res.stderr).split())  # the warning's lines wrapped to the terminal
+    assert res.returncode != 0, res.stdout + res.stderr
+    output = " ".join((res.stdout + res.stderr).split())  # the message's lines wrapped to the terminal
     assert "dflash_release_environment sets HF_TOKEN, which look like secrets" in output, output
-    assert "dflash_run_secret_environment" in output and "ansible-vault create secrets.yml" in output
-    quiet = deploy(tmp_path, {"OMP_NUM_THREADS": "4"})
-    assert quiet.returncode == 0 and "look like secrets" not in quiet.stdout + quiet.stderr, quiet.stdout
+    assert "nothing was built or changed" in output and "dflash_run_secret_environment" in output
+    assert "ansible-vault create secrets.yml" in output and "dflash_release_environment_allowed" in output
+    assert not (tmp_path / "opt").exists() and not (tmp_path / "build").exists()  # nothing built or sent
+    assert "hf_not_for_run_sh" not in output
+    allowed = deploy(tmp_path, {"TOKENIZERS_PARALLELISM": "false"}, allowed=["TOKENIZERS_PARALLELISM"])
+    assert allowed.returncode == 0 and "look like secrets" not in allowed.stdout + allowed.stderr, \
+        allowed.stdout + allowed.stderr
+    assert "TOKENIZERS_PARALLELISM" in next((tmp_path / "opt" / "releases").glob("*/run.sh")).read_text()

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 EXPORT_TASK = "Ensure the run's checkpoint is exported and on the controller, each file checked."
 OUTPUT = "/var/lib/dflash/runs/main"
-EXPORTS = f"{OUTPUT}/exports"
+EXPORTS = "/var/lib/dflash/exports/main"  # root's, outside the output directory the run's user may own
 # The sim inventory's run: a checkpoint every SAVE_EVERY steps.
 SAVE_EVERY = yaml.safe_load((REPO / "inventory/sim/group_vars/training_containers.yml").read_text())[
     "dflash_release_settings"]["run"]["save_every"]
@@ -172,7 +172,7 @@ REFUSALS = [
     for name, make, words in REFUSALS])
 def test_a_refused_export_says_why_and_changes_nothing(fleet, tmp_path, make, words):
     pid = ensure_running(fleet)
-    before = container_checksums(fleet, "/var/lib/dflash/runs")
+    before = container_checksums(fleet, EXPORTS)
     try:
         res, _ = export(fleet, tmp_path / "exports", *make(fleet, tmp_path))
     finally:
@@ -181,9 +181,7 @@ def test_a_refused_export_says_why_and_changes_nothing(fleet, tmp_path, make, wo
     for text in words:
         assert text in shown(res), shown(res)
     assert not (tmp_path / "exports").exists()
-    exports = {path: digest for path, digest in container_checksums(fleet, "/var/lib/dflash/runs").items()
-               if "/exports/" in path}
-    assert exports == {path: digest for path, digest in before.items() if "/exports/" in path}
+    assert container_checksums(fleet, EXPORTS) == before
     assert running_pid(fleet) == pid
 
 

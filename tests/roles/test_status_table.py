@@ -19,7 +19,7 @@ LOG = "\n".join(f'{{"event": "step", "step": {i}}}' for i in range(1, 9)) + '\n{
 
 
 def render(report):
-    """The table of one container whose run_report returned `report` (run_state computed as the module does)."""
+    """The table of one container whose run_report returned `report` (run_state as the module computes it)."""
     if report:
         report = {**report, "run_state": run_state({"stalled": False, **report})}
     hostvars = {"ct200": {"proxmox_node": "pve1", "dflash_run_report": report}}

@@ -22,7 +22,7 @@ from dflash_ops.data import capture as capture_module
 from dflash_ops.data.capture import FREE_BYTES_ENV, CaptureError, capture, capture_batches
 from dflash_ops.data.examples import collate, load_examples
 from dflash_ops.data.feature_cache import MANIFEST, PLAN, check_cache
-from dflash_ops.data.target import load_target, target_hidden_states
+from dflash_ops.data.target import load_target, target_document_states
 from dflash_ops.run.main import run_single_process
 from tests.dflash.conftest import make_tiny_target
 
@@ -55,6 +55,10 @@ class Log:
         self.events.append({"event": event, **fields})
         if event == "shard" and self.stop is not None:
             self.stop.shard_written()
+
+
+def packed_ids(examples, batch: list[int]) -> torch.Tensor:
+    return torch.cat([examples[i].input_ids for i in batch])
 
 
 def sha256(path: Path) -> str:
@@ -96,9 +100,10 @@ def test_the_capture_writes_the_targets_features_of_each_batch_with_checksums(ca
         rows = 0
         for batch in batches[first:end]:
             padded = collate([examples[i] for i in batch])
-            packed = target_hidden_states(target, padded["input_ids"], padded["attention_mask"], [2])
+            packed = target_document_states(target, packed_ids(examples, batch),
+                                            [examples[i].input_ids.numel() for i in batch], [2])
             n = packed.features.shape[0]
-            assert torch.equal(tensors["features"][rows: rows + n], packed.features)
+            assert torch.equal(tensors["features"][rows: rows + n], packed.features)  # no padding computed
             assert torch.equal(tensors["input_ids"][rows: rows + n].long(), packed.pack(padded["input_ids"]))
             assert torch.equal(tensors["loss_mask"][rows: rows + n].long(), packed.pack(padded["loss_mask"]))
             assert torch.equal(tensors["position_ids"][rows: rows + n].long(), packed.position_ids)

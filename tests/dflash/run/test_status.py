@@ -80,3 +80,10 @@ def test_a_start_that_resumes_keeps_the_old_runs_step_and_checkpoint_even_when_i
     checkpoint.rmdir()  # a status.json whose checkpoint is gone: the start is a run of its own
     shown = follow(RunStatus(tmp_path), {"event": "launch"})
     assert (shown["step"], shown["last_checkpoint"], shown["heldout_tau"]) == (0, None, None)
+
+
+def test_a_checkpoint_written_on_a_thread_and_logged_after_later_steps_never_moves_the_step_back(tmp_path):
+    shown = follow(RunStatus(tmp_path, process_worker="trainer"), {"event": "start", "step": 0},
+                   {"event": "step", "step": 10, "loss": 2.0}, {"event": "step", "step": 11, "loss": 1.9},
+                   {"event": "checkpoint", "step": 10, "path": "/run/step-00000010"})
+    assert (shown["step"], shown["last_checkpoint"]) == (11, "/run/step-00000010")

@@ -5,6 +5,7 @@ files' sha256; this fetches them into a staging directory, checks each, and rena
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -12,11 +13,19 @@ from ansible.errors import AnsibleActionFail, AnsibleConnectionFailure
 from ansible.plugins.action import ActionBase
 
 from ansible_collections.dflash.ops.plugins.module_utils.export_files import (
+    AUTO_MAP,
     MANIFEST,
     directory_checksums,
+    export_problems,
     manifest_checksums,
     odd_names,
 )
+from ansible_collections.dflash.ops.plugins.module_utils.safe_fetch import (
+    DIR_MODE,
+    FILE_MODE,
+    open_private_directory,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import UnsafePath
 from ansible_collections.dflash.ops.plugins.modules.dflash_export import ARGUMENT_SPEC
 
 MODULE = "dflash.ops.dflash_export"
@@ -35,6 +44,16 @@ def copy_problems(expected, copied, listed):
     return ([f"{name} (sha256 {copied.get(name, 'missing')}, in the container {expected.get(name, 'none')})"
              for name in differences(expected, copied)]
             + [f"{MANIFEST} does not list {name} as it is" for name in differences(listed, others)])
+
+
+def auto_map_problems(config_path):
+    """Why the copy's config.json would have a loader run other code than the export's own class."""
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            auto_map = json.load(fh).get("auto_map")
+    except (OSError, ValueError, AttributeError) as err:
+        return [f"config.json cannot be read ({err})"]
+    return [] if auto_map == AUTO_MAP else [f"config.json's auto_map is {auto_map}, not {AUTO_MAP}"]
 
 
 def copy_decision(expected, here, check_mode, force):
@@ -69,10 +88,21 @@ class ActionModule(ActionBase):
         if odd_names(expected):
             raise AnsibleActionFail(f"The export in {source} lists files that are not plain file names "
                                     f"({', '.join(odd_names(expected))}); nothing was copied.")
+        # Its code is what the serving side runs (trust_remote_code): the release's own, or nothing taken.
+        problems = export_problems(expected, module["code"]) if expected else []
+        if problems:
+            raise AnsibleActionFail(f"The export in {source} is not what the release that made it writes: "
+                                    f"{'; '.join(problems)}. Nothing was copied to the controller; remove it "
+                                    "in the container and export again.")
         try:
+            os.close(open_private_directory(os.path.dirname(dest), create=not check))
             here = directory_checksums(dest)
-        except ValueError as err:
-            raise AnsibleActionFail(f"Cannot copy the export to the controller: {err}.") from err
+        except FileNotFoundError:
+            here = None  # check mode: it would be made
+        except (UnsafePath, ValueError, OSError) as err:  # another user's directory, a link
+            raise AnsibleActionFail(f"Cannot copy the export to the controller: {err}; nothing was copied. "
+                                    "Fetch into a directory of your own that no other user may write.") \
+                from err
         decision = copy_decision(expected, here, check, args["force"])
         if decision == "refuse":
             differing, host = ", ".join(differences(expected, here)), task_vars.get("inventory_hostname")
@@ -97,19 +127,19 @@ class ActionModule(ActionBase):
         """Fetch every file of `expected` from `source` into a staging directory next to `dest`, check
         each file's sha256 and the copy's own SHA256SUMS, then rename it to `dest` (a `dest` there is
         renamed aside first and removed after)."""
-        parent, name = os.path.split(dest)
-        os.makedirs(parent, mode=0o755, exist_ok=True)
+        parent, name = os.path.split(dest)  # made 0700 and checked by run()
         staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
         aside = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
-        os.mkdir(staging, 0o755)
+        os.mkdir(staging, DIR_MODE)
         try:
             for file_name in sorted(expected):
                 self._connection.fetch_file(f"{source}/{file_name}", os.path.join(staging, file_name))
-                os.chmod(os.path.join(staging, file_name), 0o644)
+                os.chmod(os.path.join(staging, file_name), FILE_MODE)
             copied = directory_checksums(staging)
             with open(os.path.join(staging, MANIFEST), encoding="utf-8") as fh:
                 problems = copy_problems(expected, copied, manifest_checksums(fh.read()))
+            problems += auto_map_problems(os.path.join(staging, "config.json"))
             if problems:
                 raise AnsibleActionFail(f"The copy of {source} does not match the container's files: "
                                         f"{'; '.join(problems)}. Nothing was put at {dest}; run it again.")

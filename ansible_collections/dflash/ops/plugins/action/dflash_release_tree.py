@@ -5,7 +5,8 @@ from the role's templates, pack the release (the trainer's code and those files)
 archive cache and hand its base64 text to the module as `content`, naming the release after its content;
 after the module, turn a release that does not validate into a failure that names the inventory variable
 to fix (`fix_variables`). A name of the build's `environment` (what run.sh exports in the clear) that looks
-like a secret's is warned about, with where secrets go instead.
+like a secret's is refused before anything is built or sent, with where secrets go instead, unless the build's
+`environment_allowed` (dflash_release_environment_allowed) names it.
 
 A container's release is one task: no render, pack, name or check tasks of its own on the controller. The
 templates are rendered with the task's variables as they are (the template lookup would deep-copy all of
@@ -31,8 +32,8 @@ CONTROLLER_OPTIONS = ("build", "fix_variables")
 BUILD_KEYS = ("code_dir", "dest_dir", "revision", "templates")
 # The variable named for a config key no fix_variables entry names: a key of the free-form settings.
 SETTINGS_VARIABLE = "dflash_release_settings"
-# A name of the build's environment (what run.sh exports, readable by every user of the container and
-# kept in the controller's cache) that says it holds a secret.
+# A name of the build's environment (what run.sh exports in the clear, kept in the controller's cache)
+# that says it holds a secret.
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
 
 
@@ -41,13 +42,19 @@ def secret_like_names(environment):
     return sorted(str(name) for name in environment or {} if SECRET_NAME.search(str(name)))
 
 
-def secret_environment_warning(names):
-    """The deploy's warning for names of dflash_release_environment that look like secrets."""
-    return (f"dflash_release_environment sets {', '.join(names)}, which look like secrets: run.sh exports "
-            "them in the clear, readable by every user of the container, and the controller's release cache "
-            "keeps them. Put secrets in dflash_run_secret_environment instead, in a vars file encrypted by "
-            "Ansible Vault (the README: ansible-vault create secrets.yml, then -e @secrets.yml): the start "
-            "reads them from a file root alone can read.")
+def refused_secret_names(environment, allowed=()):
+    """The names of `environment` that look like a secret's and `allowed` does not name, sorted."""
+    return [name for name in secret_like_names(environment) if name not in {str(a) for a in allowed or ()}]
+
+
+def secret_environment_refusal(names):
+    """The deploy's refusal of names of dflash_release_environment that look like secrets."""
+    return (f"dflash_release_environment sets {', '.join(names)}, which look like secrets: run.sh would "
+            "export them in the clear, readable in the container and in the controller's release cache, so "
+            "nothing was built or changed. Put secrets in dflash_run_secret_environment instead, in a vars "
+            "file encrypted by Ansible Vault (the README: ansible-vault create secrets.yml, then -e "
+            "@secrets.yml): the start reads them from a file root alone can read. A name that only looks "
+            "like a secret's (TOKENIZERS_PARALLELISM) goes in dflash_release_environment_allowed.")
 
 
 def verdict_of(validation):
@@ -102,6 +109,8 @@ class ActionModule(ActionBase):
             if missing or "release" in args or "content" in args:
                 return dict(result, failed=True, msg=f"build needs {', '.join(BUILD_KEYS)} (missing: "
                             f"{', '.join(missing) or 'none'}) and takes the place of release and content")
+            if names := refused_secret_names(build.get("environment"), build.get("environment_allowed")):
+                return dict(result, failed=True, msg=secret_environment_refusal(names))
             try:
                 files = {name: self.render(template) for name, template in build["templates"].items()}
                 built = pack(build["code_dir"], build["dest_dir"], build["revision"] or "unknown", files,
@@ -110,8 +119,6 @@ class ActionModule(ActionBase):
                 return dict(result, failed=True, msg=f"cannot build the release on the controller: {exc}")
             args["release"] = f"{str(args['root']).rstrip('/')}/releases/{built['id']}"
             args["content"] = built.pop("content")  # verified against the id, not read from the cache again
-            if names := secret_like_names(build.get("environment")):
-                display.warning(secret_environment_warning(names))
         result.update(self._execute_module(module_name=MODULE, module_args=args, task_vars=task_vars))
         if built:
             result["built"] = built

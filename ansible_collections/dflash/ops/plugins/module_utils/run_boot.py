@@ -127,6 +127,7 @@ def start_spec(params, status_file):
         "name": params["name"], "pidfile": params["pidfile"], "log_path": params["log_path"],
         "command": params["command"], "chdir": params["chdir"], "interpreter": params["interpreter"],
         "user": params.get("user"), "user_reads": params.get("user_reads") or [],
+        **({"output_group": params["output_group"]} if params.get("output_group") else {}),
         "environment_file": params["environment_file"], "startup_wait": params["startup_wait"],
         "wait_for": params["wait_for"], "wait_timeout": params["wait_timeout"], "status_file": status_file,
         "gpus": params["idle_gpus"] or [], "max_memory_mib": params["idle_max_memory_mib"],

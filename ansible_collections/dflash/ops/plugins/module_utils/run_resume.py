@@ -143,7 +143,7 @@ def outcome(spec, what, msg, **extra):
 
 def start_params(spec):
     keys = ("name", "pidfile", "log_path", "command", "chdir", "interpreter", "user", "user_reads",
-            "startup_wait", "wait_for", "wait_timeout")
+            "output_group", "startup_wait", "wait_for", "wait_timeout")
     return dict({key: spec.get(key) for key in keys}, started_by=STARTED_BY)
 
 

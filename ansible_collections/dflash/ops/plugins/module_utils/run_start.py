@@ -9,6 +9,7 @@ pidfile written at once, and the wait for the run's first progress line in its l
 from __future__ import annotations
 
 import glob
+import grp
 import os
 import pwd
 import re
@@ -36,6 +37,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
     program_problem,
     refusal,
     tree_problem,
+    venv_problem,
 )
 
 LOG_TAIL_BYTES = 4096
@@ -85,7 +87,7 @@ def own_directories(paths, identity):
     it changed."""
     changed = []
     for path in paths:
-        os.makedirs(path, mode=0o755, exist_ok=True)
+        os.makedirs(path, mode=0o750, exist_ok=True)  # the run's own: no other user reads its weights
         try:
             top = open_directory(path, owner=identity["uid"])
         except UnsafePath as exc:
@@ -130,7 +132,7 @@ def reach_refusal(identity, program, interpreter, chdir):
     """Why the run's user could not run what the start checked (run.sh it must read and execute, the
     interpreter it execs, the working directory), as the refusal message, or None: found before anything
     is stopped, not by a successor that fails after the stop."""
-    wanted = [(program, 0o5), (chdir or "/", 0o1)] + ([(interpreter, 0o1)] if interpreter else [])
+    wanted = [(program, 0o5), (chdir or "/", 0o1)] + [(path, 0o1) for path in interpreters(interpreter)]
     return _path_refusal(identity, wanted, "or build the venv on a python the user can run")
 
 
@@ -221,21 +223,29 @@ def preflight(params, env):
     refused = log_refusal(params["log_path"])
     if refused:
         raise RunError(refused)
+    output_gid(params.get("output_group"))
+
+
+def interpreters(interpreter):
+    """The interpreters of the module's `interpreter` (a list; a start file of an earlier release holds
+    one path)."""
+    return [interpreter] if isinstance(interpreter, str) else list(interpreter or [])
 
 
 def program_refusal(program, chdir, interpreter=None):
     """Why what the run executes must not be run, as the refusal message, or None: the program (run.sh)
-    and the interpreter it execs (the release's venv python) must be this user's (root's) and writable by
-    nobody else, as must every directory on their way and, when the program is in the run's working
-    directory (run.sh in its release), every file of that tree (the code it imports). Whoever could change
-    one of them could run code of their own as root, or as the run's user when it has one: that user may
-    not change what it runs either."""
-    checks = [("command", program, program_problem(program))]
+    and the interpreters it execs (the release's venv python, an engine's venv python) must be this user's
+    (root's) and writable by nobody else, as must every directory on their way, what a venv's interpreter
+    reads at its start (safe_paths.venv_problem: pyvenv.cfg, site-packages, its .pth files) and, when the
+    program is in the run's working directory (run.sh in its release), every file of that tree (the code
+    it imports). Whoever could change one of them could run code of their own as root, or as the run's
+    user when it has one: that user may not change what it runs either."""
+    checks = [("command", program, program_problem(program) or venv_problem(program))]  # a venv's python too
     release = os.path.abspath(chdir or "/")
     if chdir and os.path.commonpath([os.path.abspath(program), release]) == release:
         checks.append(("release tree", chdir, tree_problem(chdir)))
-    if interpreter:
-        checks.append(("interpreter", interpreter, program_problem(interpreter)))
+    for path in interpreters(interpreter):
+        checks.append(("interpreter", path, program_problem(path) or venv_problem(path)))
     for what, path, problem in checks:
         if problem:
             return (f"cannot start run: {what} {path}: {problem}. It runs as uid {os.geteuid()}, so whoever "
@@ -260,17 +270,38 @@ def reset_signals():
         signal.signal(sig, signal.SIG_DFL)
 
 
-def spawn(argv, chdir, env, log_path, identity=None):
+# The run's log: its owner's (root's) and its group's alone; the output group's when it has one.
+LOG_MODE = 0o640
+OUTPUT_GROUP_ENV = "DFLASH_OUTPUT_GROUP"  # the trainer's (dflash_ops/core/runtime.py)
+
+
+def output_gid(group):
+    """The gid of `group` (a name or a gid), or None for none; RunError when the container has no such
+    group (before anything is stopped)."""
+    if not group:
+        return None
+    if str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise RunError(f"output_group {group!r} is not a group of the container: create it (groupadd) or "
+                       f"unset dflash_run_output_group: {NOTHING_DONE}") from None
+
+
+def spawn(argv, chdir, env, log_path, identity=None, gid=None):
     """Fork and exec in a new session (pgid == sid == pid), stdin from /dev/null, stdout and
     stderr appended to the log, every other descriptor closed; with `identity`, as that user
-    (drop_privileges, after setsid, before the exec). The log is opened here, by the module's user: the
-    run writes it through that descriptor. The module never waits for the run: when it exits, the run is
-    re-parented to init, and having no controlling terminal it gets no SIGHUP when the connection
-    closes."""
+    (drop_privileges, after setsid, before the exec). The log is opened here, by the module's user, and
+    made LOG_MODE (an earlier release's 0644 log too), group `gid` when given: the run writes it through
+    that descriptor. The module never waits for the run: when it exits, the run is re-parented to init,
+    and having no controlling terminal it gets no SIGHUP when the connection closes."""
     try:
-        log_fd = open_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        log_fd = open_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
     except UnsafePath as exc:
         raise RunError(refusal("log_path", log_path, exc.reason, NOTHING_DONE)) from None
+    os.fchown(log_fd, -1, os.getegid() if gid is None else gid)  # an output group unset shares it no more
+    os.fchmod(log_fd, LOG_MODE)
 
     def before_exec():
         reset_signals()
@@ -362,9 +393,12 @@ def start_run(params, env):
     for path in (params["pidfile"], params["log_path"]):
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
     identity = run_identity(params.get("user"))
+    gid = output_gid(params.get("output_group"))
+    if gid is not None:  # the trainer shares its outputs with that group (dflash_ops/core/runtime.py)
+        env = dict(env, **{OUTPUT_GROUP_ENV: str(gid)})
     began = time.monotonic()
     watcher = LogWatcher(params["log_path"], log_size(params["log_path"]), params["wait_for"])
-    child = spawn(params["command"], params["chdir"], env, params["log_path"], identity)
+    child = spawn(params["command"], params["chdir"], env, params["log_path"], identity, gid)
     # Until poll() reaps it the child keeps its /proc entry, even if it has already exited.
     stat = read_stat(child.pid)
     record = dict(name=params["name"], pid=child.pid, pgid=child.pid, start_time=stat.start_time,

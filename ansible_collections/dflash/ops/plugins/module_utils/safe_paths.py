@@ -14,7 +14,9 @@ rule for what it writes (dflash_ops/core/safe_paths.py: change both together).
 - The file's own directory is never a symbolic link, nor is a file written or read (O_NOFOLLOW on the
   last name); the file has the expected type, this user owns it and no other user can write it.
 - What runs as this user (run.sh, the release it is in, the interpreter it execs: `program_problem`)
-  must in addition not be writable by its group, nor any directory on its way.
+  must in addition not be writable by its group, nor any directory on its way; so must what a venv's
+  interpreter reads at its start (`venv_problem`: its pyvenv.cfg, its site-packages, each entry in them -
+  the .pth files `site` runs - and each directory a .pth file adds to the path).
 - What a run that runs as another user writes or is given (its status.json in its output directory, its
   secrets file) is read with that user as `owner`: its files and directories count as this user's.
 
@@ -24,6 +26,7 @@ its own descriptor, even if the path changes meanwhile."""
 from __future__ import annotations
 
 import errno
+import glob
 import os
 from stat import S_IMODE, S_ISDIR, S_ISLNK, S_ISREG, S_ISVTX
 
@@ -233,6 +236,91 @@ def program_stat_reason(info):
         return f"is owned by uid {info.st_uid}, not by uid {os.geteuid()} that runs it"
     if info.st_mode & OTHERS_WRITE:
         return f"is writable by its group or other users (mode {S_IMODE(info.st_mode):04o})"
+    return None
+
+
+VENV_CONFIG = "pyvenv.cfg"
+
+
+def _walked_problem(path, kind="directory"):
+    """Why `path`, walked as program_problem walks (links followed where trusted, every directory on the way
+    root's and writable by it alone), must not be trusted, as the words that name it; with its descriptor."""
+    try:
+        fd = walk(path, follow_last=True, group_too=True, kind=kind)
+    except UnsafePath as exc:
+        same = os.path.abspath(exc.path) == os.path.abspath(path)
+        if same:
+            return f"{path} {exc.reason}", None
+        return f"{path} is reached through {exc.path}, which {exc.reason}", None
+    reason = program_stat_reason(os.fstat(fd))
+    if reason:
+        os.close(fd)
+        return f"{path} {reason}", None
+    return None, fd
+
+
+def _site_entries_problem(site, fd):
+    """Why an entry directly in the site directory `site` (descriptor `fd`) must not be trusted: a .pth
+    file (`site` runs its import lines and puts the directories it names on the path, each walked too), a
+    package or module root imports; or None. Deeper files are the pip of root's that made them."""
+    added = []
+    for name in sorted(os.listdir(fd)):
+        info = os.lstat(name, dir_fd=fd)
+        reason = "is a symbolic link" if S_ISLNK(info.st_mode) else program_stat_reason(info)
+        if reason:
+            return f"{os.path.join(site, name)} {reason}"
+        if name.endswith(".pth") and S_ISREG(info.st_mode):
+            pth = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            with os.fdopen(pth, encoding="utf-8", errors="replace") as lines:
+                added += [os.path.join(site, line.rstrip()) for line in lines if line.strip() and not
+                          line.startswith(("#", "import ", "import\t"))]
+    for directory in added:
+        if os.path.isdir(directory):
+            problem, dir_fd = _walked_problem(directory)
+            if problem:
+                return f"{problem} (a directory a .pth file of {site} puts on the path)"
+            os.close(dir_fd)
+    return None
+
+
+def venv_problem(python):
+    """Why what the venv interpreter `python` reads at its start must not be run as this user, or None:
+    its pyvenv.cfg (where Python's getpath looks: the interpreter's directory or the one above), every
+    site-packages of the venv (lib*/python*/site-packages) and each entry directly in them (site runs the
+    import lines of each .pth file before the run's first line, and imports its packages from there), and
+    each directory a .pth file names, all root's and writable by root alone, as every directory on the way
+    (walked from /). A venv that includes the system's site-packages is refused: those are not checked.
+    An interpreter without a pyvenv.cfg is not a venv's: program_problem alone judges it."""
+    bin_dir = os.path.dirname(os.path.abspath(python))
+    prefix = next((d for d in (bin_dir, os.path.dirname(bin_dir))
+                   if os.path.lexists(os.path.join(d, VENV_CONFIG))), None)
+    if prefix is None:
+        return None
+    config = os.path.join(prefix, VENV_CONFIG)
+    problem, fd = _walked_problem(config, kind="regular file")
+    if problem:
+        return f"its venv's {problem}"
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as cfg:
+        settings = {key.strip().lower(): value.strip().lower() for key, sep, value in
+                    (line.partition("=") for line in cfg) if sep}
+    if settings.get("include-system-site-packages") == "true":
+        return (f"its venv's {config} includes the system's site-packages (include-system-site-packages = "
+                f"true), which this start does not check: make the venv without --system-site-packages")
+    seen = set()
+    for site in sorted(glob.glob(os.path.join(glob.escape(prefix), "lib*", "python*", "site-packages"))):
+        problem, fd = _walked_problem(site)
+        if problem:
+            return f"its venv's site-packages {problem}"
+        try:
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) in seen:  # lib64 -> lib
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            problem = _site_entries_problem(site, fd)
+        finally:
+            os.close(fd)
+        if problem:
+            return f"its venv's site-packages: {problem}"
     return None
 
 

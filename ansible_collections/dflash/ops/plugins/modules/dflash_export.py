@@ -21,9 +21,16 @@ description:
     O(step), even when the run has removed that checkpoint since (it keeps only its latest few).
   - No checkpoint yet, a step the run does not have, and a step the run is still writing fail with
     the trainer's sentence (which names the steps there), before anything is written.
+  - O(into) must be root's (made with mode 0700 when missing) and not reached through a link, as an export in
+    a directory another user may write (the output directory of a run as C(dflash_run_user)) could be that
+    user's code, which C(AutoModel.from_pretrained(..., trust_remote_code=True)) runs. Every file of the
+    export is read as a regular file of root's, not through a link, and the controller refuses an export
+    whose C(modeling_dflash.py) or C(drafter.py) is not the release's own (O(code_dir)), that holds other
+    files than an export's, or whose C(config.json) names other code in C(auto_map).
   - On the controller (the action plugin of the same name), each file is fetched into a staging
     directory next to C(<dest>/step-<N>/), its sha256 checked against the container's, and the
-    directory renamed into place. A C(<dest>/step-<N>/) that already holds the same files is left as
+    directory renamed into place (directories 0700, files 0600; O(dest) made 0700 when missing and
+    refused when another user's or a link). A C(<dest>/step-<N>/) that already holds the same files is left as
     it is; one with other contents fails the task unless O(force), and is never half replaced.
 version_added: "0.3.0"
 author: dflash-ops contributors (@dflash-ops)
@@ -48,7 +55,8 @@ options:
     description: The step of the checkpoint to export; without it, the latest complete one.
     type: int
   into:
-    description: The directory in the container that holds the exports, one C(step-<N>) directory each.
+    description:
+      - The directory in the container that holds the exports, one C(step-<N>) directory each; root's, 0700.
     type: path
     required: true
   dtype:
@@ -78,7 +86,7 @@ EXAMPLES = r"""
 - name: Ensure the run's latest checkpoint is exported and on the controller.
   dflash.ops.dflash_export:
     output_dir: /var/lib/dflash/runs/main
-    into: /var/lib/dflash/runs/main/exports
+    into: /var/lib/dflash/exports/main
     python: /opt/dflash/venv/bin/python
     code_dir: /opt/dflash/current
     dest: /srv/drafters/ct200
@@ -89,7 +97,7 @@ EXAMPLES = r"""
     output_dir: /var/lib/dflash/runs/main
     step: 1200
     dtype: float32
-    into: /var/lib/dflash/runs/main/exports
+    into: /var/lib/dflash/exports/main
     python: /opt/dflash/venv/bin/python
     code_dir: /opt/dflash/current
     dest: /srv/drafters/ct200
@@ -127,6 +135,11 @@ files:
       mode when the container has no export of that step yet.
   type: dict
   returned: success
+code:
+  description:
+    The sha256 of the release's code files that its exports carry (C(modeling_dflash.py), C(drafter.py)).
+  type: dict
+  returned: success
 dest:
   description: The export's directory on the controller, C(<dest>/step-<N>) (action plugin).
   type: str
@@ -150,7 +163,12 @@ import os
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.dflash.ops.plugins.module_utils.export_files import MANIFEST, sha256_file
+from ansible_collections.dflash.ops.plugins.module_utils.export_files import (
+    release_code_checksums,
+    trusted_checksums,
+)
+from ansible_collections.dflash.ops.plugins.module_utils.safe_fetch import open_private_directory
+from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import UnsafePath
 
 ARGUMENT_SPEC = {
     "output_dir": {"type": "path", "required": True},
@@ -206,6 +224,20 @@ def main():
     if not os.path.isfile(p["python"]):
         module.fail_json(msg=f"Cannot export {where}: the trainer's Python {p['python']} is missing (deploy "
                              "the run's environment first: playbooks/deploy.yml).", cmd=cmd)
+    try:
+        # Root's alone (0700, made so when missing): no other user, the run's own neither, can put an
+        # export there for the controller to take. The code it copies is the release's, read as root's.
+        os.close(open_private_directory(p["into"], create=not module.check_mode))
+    except FileNotFoundError:
+        pass  # check mode: it would be made
+    except UnsafePath as exc:
+        module.fail_json(msg=f"Cannot export {where} into {p['into']}: {exc}; an export there could be "
+                             "anyone's. Export into a directory of root's that no other user may write "
+                             "(dflash_run_export_container_dir).", cmd=cmd)
+    try:
+        code = release_code_checksums(p["code_dir"])
+    except (UnsafePath, OSError) as exc:
+        module.fail_json(msg=f"Cannot export {where}: the release's code is not trusted: {exc}", cmd=cmd)
     rc, out, err = module.run_command(cmd, environ_update={"PYTHONPATH": p["code_dir"]}, cwd=p["code_dir"],
                                       expand_user_and_vars=False)
     report = last_json_line(out) if rc == 0 else None
@@ -213,12 +245,15 @@ def main():
         module.fail_json(msg=f"Cannot export {where}: {failure_reason(out, err)}", cmd=cmd, rc=rc,
                          stdout=out, stderr=err)
     exported = not report["exists"] if module.check_mode else not report["reused"]
-    files = dict(report["files"])
+    files = {}
     if not (module.check_mode and exported):
-        files[MANIFEST] = sha256_file(os.path.join(report["out"], MANIFEST))
+        try:  # every file there, each read as root's without following a link: what the controller takes
+            files = trusted_checksums(report["out"])
+        except (UnsafePath, OSError) as exc:
+            module.fail_json(msg=f"Cannot export {where}: the export is not trusted: {exc}", cmd=cmd)
     verb = VERBS[module.check_mode, exported]
     module.exit_json(changed=exported, cmd=cmd, checkpoint=report["checkpoint"], step=report["step"],
-                     dir=report["out"], dtype=report["dtype"], exported=exported, files=files,
+                     dir=report["out"], dtype=report["dtype"], exported=exported, files=files, code=code,
                      msg=f"{verb} the export of step {report['step']} of {p['output_dir']} at "
                          f"{report['out']} in the container.")
 

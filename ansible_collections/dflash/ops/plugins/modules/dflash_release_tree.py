@@ -73,8 +73,9 @@ options:
         the package that never ship, C(revision) the source revision recorded in C(REVISION), C(templates)
         {name in the release - template} of the files rendered with the task's variables (the role's
         C(templates/) directory), and optionally C(environment), the variables C(run.sh) exports in the
-        clear (C(dflash_release_environment)) - the deploy warns about a name that looks like a secret's
-        (TOKEN, KEY, SECRET, PASSWORD), which belongs in C(dflash_run_secret_environment).
+        clear (C(dflash_release_environment)) - the deploy refuses a name that looks like a secret's
+        (TOKEN, KEY, SECRET, PASSWORD), which belongs in C(dflash_run_secret_environment), unless
+        C(environment_allowed) (C(dflash_release_environment_allowed)) names it.
     type: dict
   fix_variables:
     description:

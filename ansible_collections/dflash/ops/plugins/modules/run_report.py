@@ -143,7 +143,7 @@ run_state:
   description:
     - The run's state as C(status.yml) shows it, one source for its table and its O(stalled_after) check.
       V(running); V(stalled) (live, no step for over O(stalled_after)); V(stopped) (by a stop, which
-      removes the pidfile); or, when it ended without a stop, what its C(status.json) last said:
+      removes the pidfile); or, when it ended without a stop, what its C(status.json) last said,
       V(finished) (it wrote C(stopped)), V(failed) (the trainer or torchrun gave up) or V(died) (killed or
       crashed mid-run).
   returned: always

@@ -58,11 +58,16 @@ options:
     elements: str
   interpreter:
     description:
-      - The program the command execs (the release's venv C(python) that C(run.sh) execs), checked as
-        the command is before the start (and the boot's start again). It, the command, every directory
-        on their way and, when the command is in O(chdir), every file under O(chdir) must be owned by
-        the user the module runs as and writable by it alone, or nothing is stopped or started.
-    type: path
+      - The programs the command execs (the release's venv C(python) that C(run.sh) execs, an engine's venv
+        C(python) it starts), checked as the command is before the start (and the boot's start again). Each,
+        the command, every directory on their way and, when the command is in O(chdir), every file under
+        O(chdir) must be owned by the user the module runs as and writable by it alone, or nothing is
+        stopped or started.
+      - For a venv's interpreter, so must what it reads at its start - its C(pyvenv.cfg), each
+        C(site-packages) and every entry directly in it (the C(.pth) files whose import lines C(site) runs),
+        and each directory a C(.pth) file puts on the path; a venv with the system's site-packages is refused.
+    type: list
+    elements: path
   user:
     description:
       - The user the run runs as (an existing unprivileged user of the container). The child sets the
@@ -94,6 +99,15 @@ options:
     type: list
     elements: path
     default: []
+  output_group:
+    description:
+      - A group of the container (a name or a gid) the run's outputs are shared with. The log is made that
+        group's, mode 0640 (without it, root's group's, 0640), and the run gets C(DFLASH_OUTPUT_GROUP), so the
+        trainer makes its output directory, checkpoints, exports, C(metrics.jsonl) and C(status.json) that
+        group's and readable by it (0750 directories, setgid; 0640 files). With O(user), that user must be
+        a member. Unset, no other user may read any of them. A group the container does not have fails
+        the start before anything is stopped.
+    type: str
   chdir:
     description: Working directory of the run. Defaults to C(/) (never the module's temporary
       directory, which Ansible removes).
@@ -443,7 +457,8 @@ ARGUMENT_SPEC = dict(
     user=dict(type="str"),
     user_directories=dict(type="list", elements="path", default=[]),
     user_reads=dict(type="list", elements="path", default=[]),
-    interpreter=dict(type="path"),
+    output_group=dict(type="str"),
+    interpreter=dict(type="list", elements="path"),
     environment=dict(type="dict", default={}),
     log_path=dict(type="path"),
     stop_timeout=dict(type="float", default=120),
