@@ -257,7 +257,8 @@ def test_no_stop_or_crash_loses_the_saved_step(tmp_path, target):
 # way to its output directory (runs/) stays searchable (0755, less the umask), so a run user reaches its own.
 @pytest.mark.parametrize("umask, parent_mode, dir_mode, file_mode", [
     (0o000, 0o755, 0o750, 0o640), (0o027, 0o750, 0o750, 0o640), (0o077, 0o700, 0o700, 0o600)])
-def test_checkpoints_and_status_are_never_writable_by_others(tmp_path, umask, parent_mode, dir_mode, file_mode):
+def test_checkpoints_and_status_are_never_writable_by_others(tmp_path, umask, parent_mode, dir_mode,
+                                                            file_mode):
     import torch
 
     from dflash_ops.core.runtime import StatusFile
