@@ -107,7 +107,7 @@ class RunStopper:
         if self.pidfd is None:
             time.sleep(seconds)
             return
-        readable, _, _ = select.select([self.pidfd], [], [], seconds)
+        readable = select.select([self.pidfd], [], [], seconds)[0]
         if readable:
             os.close(self.pidfd)
             self.pidfd = None

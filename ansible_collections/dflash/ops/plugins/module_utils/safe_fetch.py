@@ -224,7 +224,6 @@ def write_private(directory, relative, data):
         os.close(fd)
 
 
-
 def _private_tree(fd, where, prefix, found):
     """{prefix/relative: sha256} of every file under the controller's directory `fd` into `found`."""
     for name in sorted(os.listdir(fd)):
