@@ -90,7 +90,8 @@ compat-venv: ## Build .cache/compat-venv with transformers 4.57.1 for the export
 	@python3 scripts/compat_venv.py
 
 # vLLM's CPU build beside torch 2.13.0 (about 3.5 GB, minutes to install the first time), then vLLM serves
-# the tiny demo target with an exported drafter (tests/serving/test_vllm_serve.py). Heavy: not in make test.
+# the tiny demo target with an exported drafter (tests/serving/test_vllm_serve.py) and its own DSpark loader,
+# heads and drafting loop read a DSpark export (tests/serving/test_vllm_dspark.py). Heavy: not in make test.
 serve-check: setup ## Build .cache/serve-venv (vLLM for CPU) and check an export served by vLLM (heavy).
 	@python3 scripts/serve_venv.py
 	$(PY) -m pytest -m serve tests/serving $(PYTEST_ARGS)

@@ -41,12 +41,11 @@ from dflash_ops.data.examples import training_examples
 from dflash_ops.data.target import TargetHead, load_target, step_features
 from dflash_ops.model.acceptance import AcceptanceStats
 from dflash_ops.serve.baselines import prompt_lookup_proposer
-from dflash_ops.serve.dspark_decode import dspark_proposer
 from dflash_ops.serve.evaluate import (
-    drafter_proposer,
     end_of_text_id,
     eval_prompts,
     heldout_path,
+    kind_proposer,
     speculative_decode,
 )
 from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -143,13 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         drafter = build_drafter(cfg, TargetHead.of(target))
         drafter.load_trainable_state_dict(load_checkpoint(latest_checkpoint(cfg.run.output_dir))[0])
         layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
-        b = cfg.model.block_size
-        dspark = cfg.model.kind == "dspark"
-        propose = dspark_proposer(drafter) if dspark else drafter_proposer(drafter)
         # speculative_decode's block_size: the drafts per step plus one (DSpark drafts b, DFlash b - 1).
-        stats = decode(target, propose, prompts, layer_ids, b + 1 if dspark else b, name)
+        propose, verify_block = kind_proposer(drafter)
+        stats = decode(target, propose, prompts, layer_ids, verify_block, name)
         results.append({"drafter": name, "steps": args.steps, "tau": round(stats.tau, 3),
-                        "drafts_per_step": b if dspark else b - 1, "verify_steps": stats.verify_steps,
+                        "drafts_per_step": verify_block - 1, "verify_steps": stats.verify_steps,
                         "acceptance_by_position": [round(r, 2) for r in stats.acceptance_by_position()],
                         "train_s": round(train_s, 1), "ms_per_step": round(1000 * train_s / args.steps, 1)})
     interleaved = interleaved_step_ms(configs, target, args.rounds)

@@ -1,6 +1,6 @@
 """The GPU check for one CUDA GPU, in one command: `python3 -m benchmarks.gpu_check --out DIR`.
 
-Six parts, each in its own process where it measures memory, on cuda:0, in this order of letters (they
+Seven parts, each in its own process where it measures memory, on cuda:0, in this order of letters (they
 run in the order of value, `gpu_check_plan.ORDER`):
 
 a. the drafter step at the paper's shape and Qwen3-8B's width (5 layers, one sequence of 3072
@@ -27,6 +27,11 @@ f. the recipe's drafter step by attention backend (`benchmarks.drafter_speed`): 
    between steps: step time, samples/s, tokens/s, the first step's compilation, `max_memory_reserved`
    beside the prediction, new torch.compile graphs after warm-up (the goal: none), the speed-up, and
    SpecForge's published samples/s beside them. Alone (`--parts drafter_speed`) about 3 minutes.
+
+g. the drafter step by kind (`benchmarks.gpu_check_drafter`, `drafter_kinds`): the DSpark recipe's rank
+   (`configs/qwen3-8b-dspark.yaml`) beside DFlash and distilled DFlash at its shape, in one process: step
+   time, each over DFlash's beside the cost model's ratio, peak beside the memory model's.
+   Alone (`--parts drafter_kinds`) about 2.5 minutes.
 
 Part f's tiles row is a part of its own, `tiles_speed`, run only when named (measured already).
 
@@ -63,6 +68,7 @@ import torch
 from benchmarks import gpu_check_plan as plan
 from benchmarks.drafter_speed import speed_part, table_rows, with_speedup
 from benchmarks.drafter_step import measure_in_subprocess, measure_one
+from benchmarks.gpu_check_drafter import kinds_part, kinds_rows
 from benchmarks.memory import peak_allocated_bytes, peak_rss_bytes
 from dflash_ops.core.config import (
     DEFAULT_LOSS_CHUNK_SIZE,
@@ -165,10 +171,10 @@ FULL_RESPONSES = 2  # held-out documents with a full-length response; the rest h
 PROMPT_TOKENS = 64  # every sequence's prompt (loss_mask 0, at most a quarter): the rest is response
 
 
-def recipe_config(mode: str, target_dir: Path) -> TrainConfig:
-    """configs/qwen3-8b.yaml (tiny for the dry run) on the random target's config at `target_dir`, its
-    drafter rank alone on one device (no DDP), with a mask token of its own (the last row)."""
-    cfg = load_config(RECIPE, check_target=False)
+def recipe_config(mode: str, target_dir: Path, recipe: Path = RECIPE) -> TrainConfig:
+    """`recipe` (default configs/qwen3-8b.yaml; tiny for the dry run) on the random target's config at
+    `target_dir`, its drafter rank alone on one device (no DDP), with its own mask token (the last row)."""
+    cfg = load_config(recipe, check_target=False)
     sections = {"model": {"target_path": str(target_dir), "mask_token_id": TARGET_SHAPE[mode]["vocab"] - 1}}
     for name, values in (RECIPE_DRY if mode == "dry" else {}).items():
         sections[name] = {**sections.get(name, {}), **values}
@@ -215,12 +221,14 @@ def _device_peak(fn, dev: torch.device) -> tuple[object, int, float]:
     return result, peak, time.perf_counter() - started
 
 
-def recipe_trainer(mode: str, dev: torch.device, **model):
+def recipe_trainer(mode: str, dev: torch.device, recipe: Path = RECIPE, loss=None, **model):
     """(trainer, config, width of its features, dtype): the recipe's drafter rank (`recipe_config`, its
-    `model` keys replaced by `model`) with a random drafter around a random frozen embedding and lm_head
-    of the target's shape, initialised in place on `dev`."""
+    `model` keys replaced by `model`, its loss section by `loss`) with a random drafter around a random
+    frozen embedding and lm_head of the target's shape, initialised in place on `dev`. The width is the
+    features' a target rank sends: the drafter's layers, and the last one when the loss needs it."""
     from transformers import Qwen3Config
 
+    from dflash_ops.core.loss_section import capture_layer_ids
     from dflash_ops.data.target import TargetHead
     from dflash_ops.training.trainer import DrafterTrainer, build_drafter, resolve_layer_ids
 
@@ -232,8 +240,9 @@ def recipe_trainer(mode: str, dev: torch.device, **model):
                              head_dim=t["head_dim"],
                              max_position_embeddings=40960, tie_word_embeddings=False)
         config.save_pretrained(tmp)  # config.json only: what the drafter's build reads of its target
-        cfg = recipe_config(mode, Path(tmp))
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+        cfg = recipe_config(mode, Path(tmp), recipe)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model),
+                                  loss=cfg.loss if loss is None else loss)
         torch.manual_seed(0)
         # The target's frozen embedding and lm_head in its dtype, initialised in place on the device.
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -244,7 +253,8 @@ def recipe_trainer(mode: str, dev: torch.device, **model):
             frozen.weight.normal_(std=0.02)
         with dev:
             drafter = build_drafter(cfg, TargetHead(config, embed, head))
-        width = len(resolve_layer_ids(cfg, t["layers"])) * t["hidden"]
+        layers = capture_layer_ids(resolve_layer_ids(cfg, t["layers"]), t["layers"], cfg.loss.mix)
+        width = len(layers) * t["hidden"]
     return DrafterTrainer(drafter, cfg), cfg, width, dtype
 
 
@@ -482,6 +492,8 @@ def table(results: dict, header: str) -> str:
              for k, v in results[name].items()}
     if speed:
         lines += table_rows(with_speedup(speed))
+    if measured(results.get("drafter_kinds")):
+        lines += kinds_rows(results["drafter_kinds"])
     lines += [f"{name}: FAILED: {(r['error'].splitlines() or [''])[0][:300]}"
               for name, r in results.items() if "error" in r]
     lines += [f"{name}: {r['left_out']}" for name, r in results.items() if "left_out" in r]
@@ -499,8 +511,9 @@ PARTS = {"drafter_step": drafter_part, "target_capture": lambda mode, device: ru
     "capture", mode, device), "gpu_tests": gpu_tests_part, "training": training_part,
          "recipe": lambda mode, device: run_part_in_subprocess("recipe", mode, device),
          "drafter_speed": lambda mode, device: speed_part(mode, device, ("auto",)),
-         "tiles_speed": lambda mode, device: speed_part(mode, device, ("tiles",))}
-CHILD_PARTS = {"capture": capture_part, "recipe": recipe_part}
+         "tiles_speed": lambda mode, device: speed_part(mode, device, ("tiles",)),
+         "drafter_kinds": lambda mode, device: run_part_in_subprocess("kinds", mode, device)}
+CHILD_PARTS = {"capture": capture_part, "recipe": recipe_part, "kinds": kinds_part}
 
 
 def main(argv=None) -> int:

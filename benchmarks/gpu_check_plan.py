@@ -31,15 +31,20 @@ from pathlib import Path
 # samples/s goal), the CUDA tests (FlexAttention against the dense mask, host syncs, the fused step), the
 # recipe's drafter rank (memory beside the model, the held-out evaluation on the step's backend), the
 # target's capture (the other side of the split), a SIGTERM and resume on CUDA, chunked against unchunked
-# loss (measured on CPU already: section 9), then the tiles.
-ORDER = ("drafter_speed", "gpu_tests", "recipe", "target_capture", "training", "drafter_step", "tiles_speed")
+# loss (measured on CPU already: section 9), then the tiles. The drafter step by kind (DSpark and distilled
+# DFlash beside DFlash) comes after the run's own checks: within the default budget only when they finish
+# early, otherwise by name (`--parts drafter_kinds`).
+ORDER = ("drafter_speed", "gpu_tests", "recipe", "target_capture", "training", "drafter_kinds",
+         "drafter_step", "tiles_speed")
 OFF_UNLESS_NAMED = ("tiles_speed",)
 # Estimated seconds of each part on one H200 with a cold torch.compile cache (the process's imports, the
 # model's build, compilation, the measured steps). Estimates from the figures of BENCHMARKS.md section 10
 # (flex: 1.456 s a step, its first step 5.1 s with a warm cache; the tiles: 64 s, then ~47 s a step) until
-# a run's recorded `seconds` replace them.
+# a run's recorded `seconds` replace them. drafter_kinds: three trainers one after another, each two
+# warm-up and three measured steps (DFlash's 0.75 s, distilled 0.85 s, DSpark's 1.10 s modelled at its
+# 256 anchors), the first kind's compilation cold (~60 s), the others' from its cache, the process ~15 s.
 ESTIMATED_S = {"drafter_speed": 120, "gpu_tests": 150, "recipe": 90, "target_capture": 60, "training": 60,
-               "drafter_step": 90, "tiles_speed": 240}
+               "drafter_kinds": 150, "drafter_step": 90, "tiles_speed": 240}
 # One 10-minute call, less the machine's start and the results' copy back.
 DEFAULT_BUDGET_S = 540.0
 

@@ -34,9 +34,9 @@ from dflash_ops.data.target import load_target
 from dflash_ops.run.main import run_single_process
 from dflash_ops.serve.evaluate import (
     AcceptanceStats,
-    drafter_proposer,
     end_of_text_id,
     eval_prompts,
+    kind_proposer,
     speculative_decode,
 )
 from dflash_ops.serve.export import export_checkpoint, load_export
@@ -59,13 +59,16 @@ def serve_venv_problem() -> str | None:
     return None
 
 
-def train_tiny_drafter(workdir: Path, steps: int = 300, model: dict | None = None) -> tuple[Path, Path]:
+def train_tiny_drafter(workdir: Path, steps: int = 300, model: dict | None = None,
+                       **sections: dict) -> tuple[Path, Path]:
     """A drafter trained `steps` steps on the tiny demo assets (b = 8), its `model` keys changed by
-    `model` (a sliding window, say); its config and run directory."""
+    `model` (a sliding window, a DSpark drafter) and those of other sections by `sections` (`loss=`,
+    `data=`); its config and run directory."""
     from pvesim.fleet import prepare_assets
 
     raw = yaml.safe_load((prepare_assets() / "config.yaml").read_text())
-    raw["model"].update(model or {})
+    for section, keys in {"model": model or {}, **sections}.items():
+        raw[section] = {**(raw.get(section) or {}), **keys}
     raw["optim"]["total_steps"] = steps
     raw["run"].update(output_dir=str(workdir / "run"), save_every=steps, eval_every=steps, log_every=steps)
     config = workdir / "config.yaml"
@@ -76,9 +79,10 @@ def train_tiny_drafter(workdir: Path, steps: int = 300, model: dict | None = Non
     return config, workdir / "run"
 
 
-def vllm_generate(request: dict, workdir: Path, name: str, timeout: float = 1200) -> dict:
-    """`benchmarks/vllm_driver.py` on `request` in the serve venv; its result (RuntimeError on failure,
-    with the end of vLLM's log)."""
+def vllm_generate(request: dict, workdir: Path, name: str, timeout: float = 1200,
+                  driver: Path = DRIVER) -> dict:
+    """`driver` (`benchmarks/vllm_driver.py`) on `request` in the serve venv; its result (RuntimeError on
+    failure, with the end of vLLM's log)."""
     request_path, result_path, log_path = (workdir / f"{name}.{ext}"
                                            for ext in ("request.json", "result.json", "log"))
     request_path.write_text(json.dumps(request))
@@ -86,7 +90,7 @@ def vllm_generate(request: dict, workdir: Path, name: str, timeout: float = 1200
     env.update(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     with log_path.open("w") as log:
-        done = subprocess.run([str(SERVE_PYTHON), str(DRIVER), str(request_path), str(result_path)],
+        done = subprocess.run([str(SERVE_PYTHON), str(driver), str(request_path), str(result_path)],
                               cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM ({name}) exited {done.returncode}; the end of {log_path}:\n"
@@ -99,9 +103,9 @@ def our_decoding(target_dir: Path, export_dir: Path, prompts: list[list[int]],
     """`dflash_ops.evaluate`'s decoding of each prompt around the export's drafter: outputs and figures."""
     target = load_target(target_dir)
     drafter, layer_ids = load_export(export_dir, target)
-    block_size = drafter.cfg.block_size
+    propose, block_size = kind_proposer(drafter)  # drafts a step + 1: what vLLM's K + 1 verifies
     stats = AcceptanceStats("dflash_ops.evaluate", block_size)
-    propose, eos = drafter_proposer(drafter), end_of_text_id(target)
+    eos = end_of_text_id(target)
     outputs = [speculative_decode(target, propose, prompt, layer_ids, block_size, max_new_tokens, eos, stats)
                for prompt in prompts]
     return outputs, stats

@@ -2,7 +2,8 @@
 26a86f53842d97d16e23cf4a69378f358e328c48): one backbone pass over the block [anchor, MASK x (b-1)] after the
 context gives b base logits, then the Markov head corrects them left to right, each position's bias from the
 token drafted before it (the anchor for the first): b drafts per verify step, where DFlash drafts b - 1.
-`dflash_ops.serve.evaluate.speculative_decode(..., block_size=b + 1, ...)` verifies them.
+`dflash_ops.serve.evaluate.speculative_decode(..., block_size=b + 1, ...)` verifies them
+(`dflash_ops.serve.evaluate.kind_proposer` gives a drafter of either kind's proposer with that block size).
 """
 
 from __future__ import annotations

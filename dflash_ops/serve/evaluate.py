@@ -21,6 +21,12 @@ Reference rows, on the same prompts: the untrained drafter (same seed, no traini
 no model) and the target itself as drafter (its own greedy continuation: every draft is accepted,
 tau = b but for the budget's last step, the upper bound).
 
+A DSpark drafter (`model.kind: dspark`, from a checkpoint, a run or a DSpark export) is evaluated as vLLM's
+DSparkProposer drafts (`dflash_ops.serve.dspark_decode`): b drafts a step where DFlash makes b-1, so every
+row, prompt lookup and the target's included, drafts b a step and is verified with a block of b+1; the
+untrained row is a DSpark drafter of the same seed, and the output says the kind (`drafter_kind`,
+`drafts_per_step` in `--json`). A drafter of another kind than the config's model.kind is refused.
+
 One step: the anchor is the last token so far; the drafter sees the target's hidden states of every
 earlier position (as in training: context strictly before the anchor) and proposes b-1 tokens;
 the target runs once on the sequence plus the block, keeps the longest prefix of drafts that
@@ -49,11 +55,18 @@ from dflash_ops.data.examples import DataError, load_examples
 from dflash_ops.data.target import TargetHead, load_target
 from dflash_ops.model.acceptance import AcceptanceStats
 from dflash_ops.model.drafter import DFlashDrafter
+from dflash_ops.model.dspark import DSparkDrafter
 from dflash_ops.model.hidden_states import get_hidden_states_packed
 from dflash_ops.model.loss import build_block_attention_mask
 from dflash_ops.serve.baselines import Proposer, prompt_lookup_proposer
-from dflash_ops.serve.export import load_export
-from dflash_ops.training.checkpoint import find_checkpoint, fit_to_checkpoint, load_checkpoint
+from dflash_ops.serve.dspark_decode import dspark_proposer
+from dflash_ops.serve.export import export_dspark_args, load_export
+from dflash_ops.training.checkpoint import (
+    checkpoint_dspark_args,
+    find_checkpoint,
+    fit_to_checkpoint,
+    load_checkpoint,
+)
 from dflash_ops.training.resume_check import TARGET_SHAPE, describe
 from dflash_ops.training.trainer import build_drafter, resolve_layer_ids
 
@@ -124,6 +137,19 @@ def drafter_proposer(drafter: DFlashDrafter) -> Proposer:
     return propose
 
 
+def drafter_kind(drafter: DFlashDrafter) -> str:
+    return "dspark" if isinstance(drafter, DSparkDrafter) else "dflash"
+
+
+def kind_proposer(drafter: DFlashDrafter) -> tuple[Proposer, int]:
+    """The proposer of a drafter of either kind and the `speculative_decode` block size that verifies it
+    (its drafts a step plus one): a DSpark drafter of block b drafts b tokens a step (vLLM's DSparkProposer),
+    verified with b + 1; a DFlash one b - 1, verified with b."""
+    if isinstance(drafter, DSparkDrafter):
+        return dspark_proposer(drafter), drafter.cfg.block_size + 1
+    return drafter_proposer(drafter), drafter.cfg.block_size
+
+
 def target_proposer(target: nn.Module, block_size: int) -> Proposer:
     """The target's own greedy continuation as drafts: the upper bound (every draft accepted)."""
 
@@ -173,13 +199,20 @@ def heldout_path(cfg: TrainConfig, given: str | None) -> str:
 
 def check_target_of(cfg: TrainConfig, checkpoint: str | Path) -> None:
     """Refuse, in one line and before any model loads, a checkpoint or export trained for a target of
-    another shape than the config's (its weights would not fit it)."""
+    another shape than the config's (its weights would not fit it), or a drafter of another kind than the
+    config's model.kind (its untrained reference row would be another kind's)."""
     if is_export(checkpoint):
         exported = json.loads((Path(checkpoint) / "config.json").read_text())
         trained = {name: exported.get(name) for name in TARGET_SHAPE}
+        dspark = export_dspark_args(exported)
     else:
-        meta = json.loads((find_checkpoint(checkpoint) / "meta.json").read_text())
-        trained = meta.get("drafter_config") or {}
+        step_dir = find_checkpoint(checkpoint)
+        trained = json.loads((step_dir / "meta.json").read_text()).get("drafter_config") or {}
+        dspark = checkpoint_dspark_args(step_dir)
+    kind = "dflash" if dspark is None else "dspark"
+    if kind != cfg.model.kind:
+        raise ConfigError("model.kind", f"{checkpoint} is a {kind} drafter, the config's model.kind is "
+                          f"{cfg.model.kind}: evaluate it with its own run's config")
     target = target_text_config(cfg.model.target_path)
     changes = {f"target {name}": (trained[name], target.get(name)) for name in TARGET_SHAPE
                if trained.get(name) is not None and target.get(name) != trained[name]}
@@ -208,24 +241,26 @@ def trained_drafter(cfg: TrainConfig, checkpoint: str | Path, target: nn.Module,
 def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | Path, max_new_tokens: int,
              num_prompts: int | None = None, include_target: bool = True, progress: bool = False) -> dict:
     """The figures of each row (trained drafter if a checkpoint or an export is given, untrained drafter,
-    target)."""
+    prompt lookup, target), each drafting as many tokens a step as the drafter's kind does."""
     if checkpoint is not None:
         # A run's output directory: its latest checkpoint now, the one measured and reported.
         checkpoint = checkpoint if is_export(checkpoint) else find_checkpoint(checkpoint)
         check_target_of(cfg, checkpoint)
     target = load_target(cfg.model.target_path, cfg.model.dtype)
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
-    block_size = cfg.model.block_size
     eos = end_of_text_id(target)
     prompts = eval_prompts(data_path, cfg.data.max_length, num_prompts)
 
     torch.manual_seed(cfg.run.seed)
-    proposers: list[tuple[str, Proposer]] = []
+    drafters = []
     if checkpoint is not None:
-        proposers.append(("trained drafter", drafter_proposer(trained_drafter(cfg, checkpoint, target,
-                                                                                layer_ids))))
+        drafters.append(("trained drafter", trained_drafter(cfg, checkpoint, target, layer_ids)))
     torch.manual_seed(cfg.run.seed)
-    proposers.append(("untrained drafter", drafter_proposer(build_drafter(cfg, TargetHead.of(target)))))
+    drafters.append(("untrained drafter", build_drafter(cfg, TargetHead.of(target))))  # cfg's kind: checked
+    proposers: list[tuple[str, Proposer]] = []
+    for name, drafter in drafters:
+        propose, block_size = kind_proposer(drafter)  # the same for every row: both are model.kind's
+        proposers.append((name, propose))
     proposers.append(("prompt lookup", prompt_lookup_proposer(block_size)))
     if include_target:
         proposers.append(("target as drafter", target_proposer(target, block_size)))
@@ -241,7 +276,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None, data_path: str | P
         if progress:
             print(file=sys.stderr)
         rows.append(stats.as_dict())
-    return {**drafter_source(checkpoint), "data": str(data_path), "block_size": block_size,
+    return {**drafter_source(checkpoint), "drafter_kind": drafter_kind(drafters[-1][1]),
+            "drafts_per_step": block_size - 1, "data": str(data_path), "block_size": cfg.model.block_size,
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows}
 
 
@@ -266,9 +302,10 @@ def describe_inputs(result: dict) -> str:
             f"{result['max_new_tokens']} new tokens each")
 
 
-def format_table(rows: list[dict], block_size: int) -> str:
+def format_table(rows: list[dict], drafts_per_step: int, kind: str) -> str:
+    """The rows under a header that says the drafter's kind and the drafts every row makes a step."""
     head = (f"{'proposer':<20} {'tau':>6} {'steps':>6} {'tokens':>7}  "
-            f"acceptance by draft position 1..{block_size - 1}")
+            f"acceptance by draft position 1..{drafts_per_step} ({kind} drafter: {drafts_per_step} a step)")
     lines = [head, "-" * len(head)]
     for row in rows:
         rates = " ".join(f"{r:.2f}" for r in row["acceptance_by_position"])
@@ -321,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         print(describe_inputs(result))
-        print(format_table(result["rows"], result["block_size"]))
+        print(format_table(result["rows"], result["drafts_per_step"], result["drafter_kind"]))
     return 0
 
 

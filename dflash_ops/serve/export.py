@@ -39,7 +39,8 @@ that its SHA256SUMS still matches (same dtype) and whose code files are this pac
 written again), refuses a DIR of another user's or reached through a link, and refuses one of another
 run (config.json's `dflash_source`: the run's output directory and step, that every export records);
 `--step N` picks that step of a run's output directory, `--plan` says what it would write, and writes nothing.
-`load_export(dir, target)` rebuilds a `DFlashDrafter` from such a directory.
+`load_export(dir, target)` rebuilds the drafter from such a directory (a `DSparkDrafter` for a DSpark
+export, else a `DFlashDrafter`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from dflash_ops.training.checkpoint import (
     checkpoint_name,
     find_checkpoint,
     list_checkpoints,
+    new_drafter,
     step_of,
 )
 from dflash_ops.training.plots import read_metrics
@@ -384,16 +386,28 @@ def weight_name_problem(config: dict, names) -> str | None:
     return f"the weights do not match the exported class's parameters ({'; '.join(words)})"
 
 
+def export_dspark_args(config: dict) -> dict | None:
+    """The DSpark heads an export's config (its config.json) declares, as vLLM's `Qwen3DSparkModel` reads
+    them (`markov_rank`, `enable_confidence_head`, `confidence_head_with_markov`); None for a DFlash
+    export."""
+    if list(config.get("architectures") or []) != [DSPARK_ARCHITECTURE]:
+        return None
+    return {"markov_rank": config["markov_rank"],
+            "confidence_head": bool(config.get("enable_confidence_head")),
+            "confidence_with_markov": bool(config.get("confidence_head_with_markov"))}
+
+
 def load_export(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
-    """The drafter of an export at `path` around `target`'s embedding and lm_head, in eval mode and
-    the target's device and dtype; with its target layer ids."""
+    """The drafter of an export at `path` (a DSparkDrafter, its heads loaded, when the config's architecture
+    is DSpark's) around `target`'s embedding and lm_head, in eval mode and the target's device and dtype;
+    with its target layer ids."""
     from transformers import AutoConfig
 
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     drafter_cfg = modeling_dflash.drafter_config_from_hf(config)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter = DFlashDrafter(drafter_cfg, embed, head)
+    drafter = new_drafter(drafter_cfg, embed, head, export_dspark_args(config.to_dict()))
     state = load_file(readable(path / "model.safetensors"))
     drafter.load_trainable_state_dict({name: t.to(torch.float32) for name, t in state.items()})
     drafter.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()

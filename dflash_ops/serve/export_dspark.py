@@ -7,7 +7,9 @@ backbone's weights under the same names, `model.safetensors`, `SHA256SUMS`), wit
   `DSparkDraftModel` is routed to vLLM's DeepSeek-V4 path by some versions), no `auto_map` (the shipped
   `modeling_dflash.py` is DFlash's and knows no Markov head), `markov_rank`, `markov_head_type: vanilla`,
   `enable_confidence_head`, `confidence_head_with_markov`, `draft_vocab_size` (the target's vocabulary:
-  no reduced vocabulary, so no `d2t`), and `mask_token_id` / `target_layer_ids` at the top level as
+  no reduced vocabulary, so no `d2t`), `sample_from_anchor: true` (the block's first position predicts the
+  token after the anchor, as trained: vLLM's `DSparkSpeculator` reads it, true when absent; false would
+  be the DFlash layout of 1 + N positions), and `mask_token_id` / `target_layer_ids` at the top level as
   well as in `dflash_config`;
 - the heads' weights: `markov_head.markov_w1.weight` `[vocab, rank]`, `markov_head.markov_w2.weight`
   `[vocab, rank]`, and `confidence_head.proj.{weight,bias}` (`[1, hidden (+ rank)]`, `[1]`) when trained.
@@ -50,6 +52,7 @@ def dspark_hf_config(config: dict, state: dict[str, torch.Tensor]) -> dict:
         "enable_confidence_head": confidence,
         "confidence_head_with_markov": with_markov,
         "draft_vocab_size": config["vocab_size"],
+        "sample_from_anchor": True,
         "mask_token_id": dflash["mask_token_id"],
         "target_layer_ids": list(dflash["target_layer_ids"]),
     })

@@ -23,6 +23,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -31,6 +32,7 @@ from dflash_ops.core.files import fsync_path
 from dflash_ops.core.runtime import DIR_MODE, FILE_MODE, ensure_dir, output_mode, readable
 from dflash_ops.core.safe_paths import check_directory
 from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ops.model.dspark import DSparkDrafter
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX = "step-"
@@ -362,12 +364,38 @@ def check_step_plan(cfg, meta: dict) -> int | None:
                       "scratch in another run.output_dir")
 
 
+def new_drafter(drafter_cfg: DrafterConfig, embed: nn.Embedding, head: nn.Linear, dspark: dict | None = None
+                ) -> DFlashDrafter:
+    """A drafter around the target's `embed` and `head`: the one place that picks its class. `dspark`
+    (`dspark_args`' or `dflash_ops.serve.export.export_dspark_args`' answer: markov_rank, confidence_head,
+    confidence_with_markov) makes it a `DSparkDrafter` with those heads; None a `DFlashDrafter`."""
+    if dspark is None:
+        return DFlashDrafter(drafter_cfg, embed, head)
+    return DSparkDrafter(drafter_cfg, embed, head, **dspark)
+
+
+def dspark_args(model: dict) -> dict | None:
+    """The DSpark heads of a config's `model` section (a dict, as a checkpoint's config.yaml holds it), as
+    `trainer.build_drafter` builds them; None for a DFlash drafter (model.kind dflash, or no kind: a
+    checkpoint from before DSpark)."""
+    if model.get("kind", "dflash") != "dspark":
+        return None
+    return {"markov_rank": model["markov_rank"], "confidence_head": bool(model.get("confidence_head")),
+            "confidence_with_markov": True}
+
+
+def checkpoint_dspark_args(path: str | Path) -> dict | None:
+    """`dspark_args` of the checkpoint at `path` (its config.yaml's model section)."""
+    return dspark_args((yaml.safe_load((Path(path) / "config.yaml").read_text()) or {}).get("model") or {})
+
+
 def load_drafter(path: str | Path, target: nn.Module) -> tuple[DFlashDrafter, list[int]]:
-    """The drafter saved in checkpoint `path`, around `target`'s frozen embedding and lm_head, in
-    eval mode and the target's dtype and device; with the target layer ids it was trained on."""
+    """The drafter saved in checkpoint `path` (a DSparkDrafter when its config.yaml's model.kind is dspark),
+    around `target`'s frozen embedding and lm_head, in eval mode and the target's dtype and device; with
+    the target layer ids it was trained on."""
     model_state, _, meta = load_checkpoint(path)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter = DFlashDrafter(DrafterConfig(**meta["drafter_config"]), embed, head)
+    drafter = new_drafter(DrafterConfig(**meta["drafter_config"]), embed, head, checkpoint_dspark_args(path))
     drafter.load_trainable_state_dict(model_state)
     drafter.to(device=embed.weight.device, dtype=embed.weight.dtype).eval()
     return drafter, list(meta["layer_ids"])

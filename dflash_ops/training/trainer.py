@@ -69,11 +69,10 @@ def build_drafter(cfg: TrainConfig, head: TargetHead) -> DFlashDrafter:
         block_size=cfg.model.block_size, mask_token_id=mask_token_id,
         layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
     )
-    if cfg.model.kind == "dspark":  # the DFlash backbone with DSpark's heads (dflash_ops.model.dspark)
-        drafter = DSparkDrafter(drafter_cfg, head.embed_tokens, head.lm_head, cfg.model.markov_rank,
-                                cfg.model.confidence_head)
-    else:
-        drafter = DFlashDrafter(drafter_cfg, head.embed_tokens, head.lm_head)
+    from dflash_ops.training.checkpoint import dspark_args, new_drafter
+
+    dspark = dspark_args(dataclasses.asdict(cfg.model))  # None: DFlash; else DSpark's heads
+    drafter = new_drafter(drafter_cfg, head.embed_tokens, head.lm_head, dspark)
     return drafter.to(device=head.embed_tokens.weight.device)
 
 

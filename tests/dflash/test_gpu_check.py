@@ -69,12 +69,13 @@ def test_the_dry_run_runs_every_part_in_the_order_of_value_and_writes_its_table_
     assert len(auto["steps_s"]) == 4 and len(tiles["steps_s"]) == 1  # the tiles: one measured step
     assert auto["loss"] == pytest.approx(tiles["loss"], rel=1e-2)  # same weights, data and anchors
     assert record["drafter_speed"]["reference"]["samples_per_s"] == 8.7
+    assert record["drafter_kinds"]["dspark"]["drafter"] == "DSparkDrafter"
 
     table = (tmp_path / "gpu_check.txt").read_text()
     for heading in ("toolchain: Triton", "a. drafter step", "b. target capture", "c. pytest -m gpu",
                     "d. training", "e. the recipe's drafter rank (configs/qwen3-8b.yaml: 2 layers",
                     "f. the drafter step by attention backend (2 layers, H 64, batch 2 x 64",
-                    "speed-up over the tiles", "seconds by part", "nccl"):
+                    "speed-up over the tiles", "g. the drafter step by kind", "seconds by part", "nccl"):
         assert heading in table
     assert table in done.stdout
 
@@ -96,11 +97,74 @@ def test_the_parts_run_by_value_and_start_only_within_the_budget():
 
 
 def test_a_budget_leaves_out_the_parts_it_cannot_fit_and_says_so(tmp_path):
-    done = gpu_check("--dry-run", "--budget", "0", "--parts", "training", "--out", str(tmp_path))
+    done = gpu_check("--dry-run", "--budget", "0", "--parts", "training", "drafter_kinds", "--out",
+                     str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["ok"] and "left out for the budget" in record["training"]["left_out"]
+    assert "left out for the budget" in record["drafter_kinds"]["left_out"]  # skippable: the DSpark part
     assert "training: left out for the budget" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_the_dry_run_times_the_dspark_step_beside_dflash_s_and_prints_the_ratios(tmp_path):
+    """Part g on CPU at a tiny width (~5 s of CPU): the DSpark recipe's step, DFlash's and distilled
+    DFlash's at its shape, one after another in one process, each step time over DFlash's."""
+    assert "drafter_kinds" in plan.ORDER and "drafter_kinds" not in plan.OFF_UNLESS_NAMED
+    done = gpu_check("--dry-run", "--parts", "drafter_kinds", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    kinds = record["drafter_kinds"]
+    assert record["ok"] and "error" not in kinds and kinds["seconds"] > 0
+    dflash, distilled, dspark = kinds["dflash"], kinds["dflash_distilled"], kinds["dspark"]
+    assert (dflash["drafter"], distilled["drafter"], dspark["drafter"]) == \
+        ("DFlashDrafter", "DFlashDrafter", "DSparkDrafter")
+    assert dflash["loss_mix"] == {"ce": 1.0} and distilled["loss_mix"] == {"ce": 0.1, "tvd": 0.9}
+    assert dspark["loss_mix"] == {"ce": 0.1, "tvd": 0.9, "bce": 1.0}  # the recipe's mix
+    # The distillation terms read the target's last hidden state: one layer more in the features.
+    hidden = 64
+    assert distilled["features_width"] == dspark["features_width"] == dflash["features_width"] + hidden
+    for row in (dflash, distilled, dspark):
+        assert row["step_s"] > 0 and row["samples_per_s"] > 0 and len(row["steps_s"]) == 2
+        assert row["blocks"] == 2 * 8 and row["loss"] > 0 and row["predicted_gib"] > 0
+        assert row["modelled_h200_step_s"] is None  # the H200 pace is Qwen3-8B's, not the dry width's
+    assert dflash["time_ratio"] == 1.0
+    assert dspark["time_ratio"] == round(dspark["step_s"] / dflash["step_s"], 3)
+    assert 1 < distilled["modelled_ratio"] < dspark["modelled_ratio"]
+    table = (tmp_path / "gpu_check.txt").read_text()
+    assert "g. the drafter step by kind (configs/qwen3-8b-dspark.yaml: 2 layers, H 64" in table
+    assert "Markov rank 8" in table and "x dflash | modelled x" in table
+    (line,) = [line for line in table.splitlines() if line.strip().startswith("dspark |")]
+    assert f"| {dspark['time_ratio']:>8} | {dspark['modelled_ratio']:>10} |" in line
+
+
+def test_the_dspark_part_s_shapes_are_the_recipe_s_and_its_cost_is_modelled_at_qwen3_8b(tmp_path):
+    from benchmarks.gpu_check import predicted_peaks
+    from benchmarks.gpu_check_drafter import DSPARK_RECIPE, KINDS, STEPS, kind_train_config, modelled
+    from dflash_ops.core.config import load_config
+
+    recipe = load_config(DSPARK_RECIPE, check_target=False)
+    cfgs = {kind: kind_train_config(kind, "full", tmp_path) for kind in KINDS}
+    dspark = cfgs["dspark"]
+    assert (dspark.model.kind, dspark.model.markov_rank, dspark.model.confidence_head) == \
+        ("dspark", 256, True)
+    assert dspark.loss.mix == recipe.loss.mix and cfgs["dflash"].model.kind == "dflash"
+    for cfg in cfgs.values():  # one shape for the three: the DSpark recipe's drafter rank
+        d = cfg.data
+        assert (d.batch_size, d.max_length, d.max_anchors, cfg.model.loss_chunk_size) == \
+            (recipe.data.batch_size, recipe.data.max_length, recipe.data.max_anchors, 512)
+    cost = {kind: modelled(cfg, "full") for kind, cfg in cfgs.items()}
+    # At Qwen3-8B (8 x 3072, 256 anchors): DFlash 37.1 TFLOP a sample; the target's logits for the TVD
+    # +4.8; DSpark's Markov head, its extra row a block and the head recomputed +17.2 in all.
+    assert cost["dflash"]["flops"] / 1e12 == pytest.approx(37.15, abs=0.01)
+    assert cost["dflash_distilled"]["flops"] / cost["dflash"]["flops"] == pytest.approx(1.129, abs=1e-3)
+    assert cost["dspark"]["flops"] / cost["dflash"]["flops"] == pytest.approx(1.463, abs=1e-3)
+    assert (cost["dflash"]["step_s"], cost["dspark"]["step_s"]) == (0.751, 1.099)  # at the H200 pace
+    # The estimate covers the three kinds' steps at the modelled pace twice over, and fits a call alone.
+    steps = sum(STEPS["full"]) * sum(c["step_s"] for c in cost.values())
+    assert 2 * steps < plan.ESTIMATED_S["drafter_kinds"] < plan.DEFAULT_BUDGET_S
+    peaks = {kind: predicted_peaks(cfg, "full")["drafter_step"]["bytes"] / 2**30
+             for kind, cfg in cfgs.items()}
+    assert peaks["dflash"] < peaks["dflash_distilled"] < peaks["dspark"] < 40  # one H100 holds each
 
 
 def test_the_toolchain_names_a_missing_compiler_or_one_that_cannot_build_triton_s_launcher(tmp_path):

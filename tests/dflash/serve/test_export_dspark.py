@@ -1,9 +1,10 @@
-"""A DSpark drafter's export, checked against vLLM's Qwen3 DSpark loader: vLLM is not installed here
-(`make serve-check`'s .cache/serve-venv is the DFlash check), so its `Qwen3DSparkForCausalLM.load_weights`
-name mapping and `Qwen3DSparkModel`'s parameters are replayed from its source
-(vllm-project/vllm vllm/model_executor/models/qwen3_dspark.py at 0302ff40439493d0db2e3bbfd509211703375d08,
+"""A DSpark drafter's export, checked against vLLM's Qwen3 DSpark loader in `make test`: its
+`Qwen3DSparkForCausalLM.load_weights` name mapping and `Qwen3DSparkModel`'s parameters are replayed from its
+source (vllm-project/vllm vllm/model_executor/models/qwen3_dspark.py at
+0302ff40439493d0db2e3bbfd509211703375d08,
 dflash_ops.serve.export_dspark): nothing missing, nothing unexpected, every shape vLLM's; the corrected logits
-its Markov head computes from the exported weights equal the trained drafter's."""
+its Markov head computes from the exported weights equal the trained drafter's. vLLM's own code (its loader,
+heads and drafting loop) runs on the export in `make serve-check` (tests/serving/test_vllm_dspark.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_the_config_carries_the_keys_vllms_dspark_reads(exported):
     assert config["enable_confidence_head"] is confidence
     assert config["confidence_head_with_markov"] is confidence
     assert config["draft_vocab_size"] == config["vocab_size"] == 128
+    assert config["sample_from_anchor"] is True  # the block's first position predicts (as trained)
     assert config["dflash_config"]["mask_token_id"] == config["mask_token_id"]
     assert config["dflash_config"]["target_layer_ids"] == config["target_layer_ids"]
 
