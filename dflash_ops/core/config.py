@@ -81,9 +81,6 @@ class TrainConfig:
         if self.run.keep_best and not self.data.eval_path:
             raise ConfigError("run.keep_best", "keeps the checkpoint of the best held-out tau, and there is "
                               "none without data.eval_path: set one, or run.keep_best to false")
-        if self.model.kind == "dspark" and self.data.eval_path:
-            raise ConfigError("data.eval_path", "the held-out evaluation measures a DFlash drafter's tau, "
-                              "not a DSpark drafter's (model.kind dspark): set it to null")
         if self.model.confidence_head and (self.model.kind != "dspark" or "bce" not in self.loss.mix):
             # Untrained, its weights would get no gradient (an error under DDP) and export at random.
             raise ConfigError("model.confidence_head", "is DSpark's acceptance head, trained by "

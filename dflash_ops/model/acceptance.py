@@ -12,8 +12,8 @@ class AcceptanceStats:
     """What the verify steps of one proposer gave, over all prompts."""
 
     name: str
-    block_size: int
-    lengths: list[int] = field(default_factory=list)  # tokens gained per verify step (1..b)
+    block_size: int  # the verify block, drafts a step + 1: b for DFlash, b + 1 for DSpark (b drafts)
+    lengths: list[int] = field(default_factory=list)  # tokens gained per verify step (1..block_size)
     generated_tokens: int = 0
     # Drafts the target accepted at each verify step, before the budget's or the end of text's cut:
     # what an engine's counters count (vLLM's accepted tokens per draft position).
@@ -45,7 +45,8 @@ class AcceptanceStats:
 
 def replay_acceptance(tokens: list[int], start: int, drafts_at: dict[int, list[int]]) -> list[int]:
     """Tokens gained per verify step when decoding reproduces `tokens` from position `start` (the
-    first generated token) to its end, with `drafts_at[a]` the b-1 drafts of anchor position a."""
+    first generated token) to its end, with `drafts_at[a]` the drafts of anchor position a for positions
+    a+1, a+2, ... (a DFlash drafter's b-1, a DSpark drafter's b)."""
     lengths = []
     anchor, last = start, len(tokens) - 1
     while anchor < last:

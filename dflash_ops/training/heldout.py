@@ -15,6 +15,21 @@ chunk's `[blocks x b, vocab]` logits. It gives
   tokens, gains them plus one, and moves on. When the held-out responses are the target's own greedy
   output (as regenerated data is with greedy decoding) this is exactly what `dflash_ops.evaluate` measures
   with the response length as the token budget, without running the target again.
+
+A DSpark drafter (`model.kind: dspark`, `dflash_ops.model.dspark`) is measured as vLLM's DSparkProposer
+serves it (`dflash_ops.serve.dspark_decode.dspark_proposer`): the same block [anchor, MASK x (b-1)] gives b
+drafts, for anchor+1 .. anchor+b, position k's logits lm_head(h_k) + markov_w2 @ markov_w1[prev], prev the
+anchor for k = 0 then the token drafted at k - 1. The replay takes the response's own token at anchor + k
+as prev instead (teacher-forced, `dspark_head_eval`: the base head `chunk_size` rows at a time, then
+`[blocks, vocab]` a position): the acceptance lengths are the same, since up to the first rejected draft
+each drafted token is the response's, and the first rejection sees the same logits either way.
+tau is then bounded by b + 1 (`AcceptanceStats` of block b + 1, as `dflash_ops.evaluate` verifies a DSpark
+drafter). Its loss is the cross entropy of the corrected logits with the teacher-forced previous token
+(the token at anchor + k) at DSpark's alignment (`dflash_ops.model.dspark.dspark_targets`: rows whose label
+anchor + k + 1 is scored), weighted by the decay exp(-k / gamma) and divided by those weights: the `ce`
+term of the DSpark training loss. The training mix's other terms need the target's distribution, which the
+held-out features do not carry, so whatever `loss.weights` a DSpark run trains with, its held-out loss is
+this one and compares between DSpark runs (not with a DFlash run's, whose rows are one position earlier).
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_ops.data.examples import Example
@@ -30,7 +46,8 @@ from dflash_ops.data.target import step_features
 from dflash_ops.model import flex
 from dflash_ops.model.acceptance import AcceptanceStats, replay_acceptance
 from dflash_ops.model.drafter import DFlashDrafter
-from dflash_ops.model.loss import build_block_batch, chunked_head_eval
+from dflash_ops.model.dspark import DSparkDrafter, dspark_targets
+from dflash_ops.model.loss import BlockBatch, _head_in_compute_dtype, build_block_batch, chunked_head_eval
 
 
 @dataclass
@@ -105,37 +122,86 @@ class HeldOutEvaluator:
         was_training = drafter.training
         drafter.eval()
         block_size = drafter.cfg.block_size
+        dspark = isinstance(drafter, DSparkDrafter)  # b drafts a block, verified with b + 1
         device = drafter.fc.weight.device
         attention = flex.choose_attention(self.attention_backend, device)  # the training step's
         padded = (self.context_rows, self.max_anchors * block_size) if attention.compiled else (0, 0)
-        stats = AcceptanceStats("held-out", block_size)
+        stats = AcceptanceStats("held-out", block_size + 1 if dspark else block_size)
         weighted_ce, total_weight = 0.0, 0.0
         for doc in self.documents:
             length = doc.input_ids.numel()
             anchors = torch.arange(doc.response_start, length - 1)
             cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
             positions = torch.arange(length, device=device)
+            input_ids, loss_mask = doc.input_ids.to(device), doc.loss_mask.to(device)
             drafts_at: dict[int, list[int]] = {}
             for chunk in anchors.split(self.max_anchors):
-                batch = build_block_batch(doc.input_ids.to(device), doc.loss_mask.to(device), cu_seqlens,
-                                          positions, [chunk], block_size, drafter.cfg.mask_token_id,
-                                          self.gamma)
-                drafted = torch.arange(batch.labels.numel(), device=device) % block_size > 0  # not anchors
+                batch = build_block_batch(input_ids, loss_mask, cu_seqlens, positions, [chunk], block_size,
+                                          drafter.cfg.mask_token_id, self.gamma)
                 mask = batch.block_mask(attention.backend, *padded, attention.compiled)
                 with self.precision(device):
                     hidden = drafter(doc.features.to(device), positions, batch.block_input_ids,
                                      batch.block_positions, mask)
-                    ce_sum, argmax = chunked_head_eval(hidden[drafted], drafter.lm_head,
-                                                       batch.labels[drafted], batch.weights[drafted],
-                                                       self.chunk_size)
+                    if dspark:
+                        ce_sum, weight, drafts = dspark_head_eval(drafter, hidden, batch, input_ids,
+                                                                  loss_mask, self.gamma, self.chunk_size)
+                    else:
+                        drafted = torch.arange(batch.labels.numel(), device=device) % block_size > 0
+                        ce_sum, argmax = chunked_head_eval(hidden[drafted], drafter.lm_head,
+                                                           batch.labels[drafted], batch.weights[drafted],
+                                                           self.chunk_size)
+                        weight, drafts = float(batch.weights.sum()), argmax.view(-1, block_size - 1)
                 del hidden
                 weighted_ce += ce_sum
-                total_weight += float(batch.weights.sum())
-                predicted = argmax.view(-1, block_size - 1).tolist()
-                drafts_at.update(zip(chunk.tolist(), predicted, strict=True))
+                total_weight += weight
+                drafts_at.update(zip(chunk.tolist(), drafts.tolist(), strict=True))
             lengths = replay_acceptance(doc.input_ids.tolist(), doc.response_start, drafts_at)
             stats.lengths += lengths
             stats.generated_tokens += 1 + sum(lengths)
         drafter.train(was_training)
         loss = weighted_ce / total_weight if total_weight else float("nan")
         return HeldOutResult(loss, stats)
+
+
+def dspark_head_eval(drafter: DSparkDrafter, hidden: torch.Tensor, batch: BlockBatch, input_ids: torch.Tensor,
+                     loss_mask: torch.Tensor, gamma: float, chunk_size: int | None
+                     ) -> tuple[float, float, torch.Tensor]:
+    """A chunk's DSpark figures from the drafter's hidden states `[blocks x b, H]` of `batch` (one document's
+    blocks, its `input_ids` and `loss_mask`), without gradient: sum(w * ce) and sum(w) over the loss's rows
+    (`dspark_targets`: teacher-forced previous token, decay weights) and the `[blocks, b]` greedy drafts with
+    the document's token at anchor + k as each position's previous token (the module's docstring: the same
+    acceptance as `dspark_proposer`'s drafts, whose previous token is the draft before). The head runs on
+    `chunk_size` rows (whole blocks, one at least; all when None) at a time, in the training head's dtypes
+    (the autocast dtype's lm_head, the Markov head in its own, the softmax in float32), then one position
+    after the other, `[blocks, vocab]` at a time: no `[blocks x b, vocab]` float32 tensor exists."""
+    b = batch.block_size
+    blocks = batch.block_anchor.numel()
+    device = hidden.device
+    targets = dspark_targets(batch, input_ids, loss_mask, gamma)  # the training loss's rows
+    labels = torch.zeros(blocks * b, dtype=torch.int64, device=device)
+    weights = torch.zeros(blocks * b, dtype=torch.float32, device=device)
+    labels[targets.rows], weights[targets.rows] = targets.labels, targets.weights
+    labels, weights = labels.view(blocks, b), weights.view(blocks, b)
+    # Every position's previous token, the document's at anchor + k (= dspark_targets' on the loss's rows;
+    # past the document's end a position is never replayed).
+    length = input_ids.numel()
+    forced = input_ids[(batch.block_anchor[:, None] + torch.arange(b, device=device)).clamp(max=length - 1)]
+    rows = hidden.reshape(blocks, b, hidden.shape[-1])
+    head = _head_in_compute_dtype(drafter.lm_head.weight, device.type)
+    markov = drafter.markov_head
+    drafts = torch.empty(blocks, b, dtype=torch.int64, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    step = max(1, (chunk_size or blocks * b) // b)
+    with torch.autocast(device.type, enabled=False):
+        for start in range(0, blocks, step):
+            group = slice(start, start + step)
+            base = F.linear(rows[group].reshape(-1, rows.shape[-1]).to(head.dtype), head)
+            base = base.view(-1, b, base.shape[-1])  # [blocks of the group, b, vocab], the head's dtype
+            for k in range(b):
+                logits = base[:, k].float() + markov.bias(markov.embed(forced[group, k])).float()
+                drafts[group, k] = logits.argmax(-1)
+                log_q = torch.log_softmax(logits, -1)
+                total -= (weights[group, k] * log_q.gather(1, labels[group, k, None]).squeeze(1)).sum()
+                del log_q, logits
+            del base
+    return float(total), float(weights.sum()), drafts

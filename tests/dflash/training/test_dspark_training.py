@@ -77,10 +77,25 @@ def test_bce_needs_the_dspark_confidence_head(tiny_config, tmp_path):
     assert err.value.key == "model.confidence_head"
 
 
-def test_the_held_out_evaluation_is_refused_for_dspark(tiny_config, tiny_eval_dataset, tmp_path):
-    with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny_config(tmp_path, model=DSPARK, data={"eval_path": str(tiny_eval_dataset)}))
-    assert err.value.key == "data.eval_path"
+def test_a_dspark_run_with_held_out_data_logs_its_held_out_tau(tiny_config, tiny_eval_dataset, tmp_path,
+                                                                capsys):
+    """data.eval_path in a DSpark run: the held-out figures are the DSpark drafter's (b drafts a step, tau
+    up to b + 1; tests/dflash/training/test_heldout_dspark.py checks them against dflash_ops.evaluate), in
+    the log and metrics.jsonl, and run.keep_best keeps the best of them."""
+    from dflash_ops.training.plots import read_metrics
+
+    raw = tiny_config(tmp_path / "run", model=DSPARK, loss=MIX, optim={"total_steps": 4},
+                      data={"eval_path": str(tiny_eval_dataset)},
+                      run={"save_every": 2, "eval_every": 2, "keep_best": True})
+    assert run_single_process(config_from_dict(raw)) == 0
+    b = raw["model"]["block_size"]
+    records = [r for r in map(json.loads, (line for line in capsys.readouterr().out.splitlines()
+                                           if line.startswith("{"))) if r.get("event") == "heldout"]
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert 1.0 <= record["heldout_tau"] <= b + 1 and record["heldout_loss"] > 0
+        assert len(record["heldout_acceptance_by_position"]) == b  # position 0's draft counted too
+    assert sorted(read_metrics(tmp_path / "run")["heldout"]) == [2, 4]
 
 
 def test_the_dspark_recipe_validates_at_qwen3_8b_and_its_split_advice_counts_the_heads(tmp_path):
