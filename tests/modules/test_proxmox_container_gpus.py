@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_nvidia_smi import DRIVER_NOT_LOADED, NODE_DEVICES
 
+from ansible_collections.dflash.ops.plugins.module_utils.pct_checks import check_gpus_exist, node_gpus
 from ansible_collections.dflash.ops.plugins.module_utils.pct_cli import Answer, CheckFailed
-from ansible_collections.dflash.ops.plugins.modules.proxmox_container import check_gpus_exist, node_gpus
 
 
 class NodeTools:

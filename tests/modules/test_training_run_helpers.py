@@ -260,7 +260,8 @@ def test_log_tail_keeps_the_end(tmp_path):
 @pytest.mark.parametrize("module", ["modules/training_run.py", "modules/gpu_verify.py",
                                     "module_utils/gpu_state.py", "module_utils/run_proc.py",
                                     "module_utils/run_pidfile.py",
-                                    "module_utils/run_stop.py", "module_utils/run_start.py"])
+                                    "module_utils/run_stop.py", "module_utils/run_start.py",
+                                    "module_utils/run_state.py"])
 def test_modules_never_choose_processes_by_name_or_command_line(module):
     source = (PLUGINS / module).read_text()
     for tool in ("pkill", "pgrep", "killall", "pidof"):
