@@ -184,6 +184,41 @@ def reach_checks(tmp_path):
 
 
 @needs_root
+def test_a_venv_directory_the_user_cannot_list_refuses_the_start():
+    """Python drops a path entry it cannot read in silence: a venv whose .pth file names a directory the
+    run's user cannot list and enter (the controller's site-packages under root's 0700 home, say) would
+    start and fail at its first import after the good run was stopped. The start names it first."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))  # pytest's own directory is root's alone
+    try:
+        base.chmod(0o755)
+        venv, elsewhere = base / "venv", base / "elsewhere"
+        site = venv / "lib" / "python3.11" / "site-packages"
+        site.mkdir(parents=True)
+        (venv / "bin").mkdir()
+        (venv / "bin" / "python").symlink_to(SYSTEM_PYTHON)
+        (venv / "pyvenv.cfg").write_text("include-system-site-packages = false\n")
+        packages = elsewhere / "site-packages"
+        packages.mkdir(parents=True)
+        (site / "extra.pth").write_text(f"# the controller's packages\nimport os\n{packages}\n")
+        nobody = run_identity("nobody")
+        python = str(venv / "bin" / "python")
+        assert reach_refusal(nobody, "/bin/sh", python, "/") is None
+        packages.chmod(0o700)
+        refused = reach_refusal(nobody, "/bin/sh", python, "/")
+        assert refused and f"it may not list and enter {packages} (mode 0700)" in refused, refused
+        packages.chmod(0o755)
+        elsewhere.chmod(0o700)  # a directory on the way
+        refused = reach_refusal(nobody, "/bin/sh", python, "/")
+        assert refused and f"it may not enter {elsewhere} " in refused, refused
+        elsewhere.chmod(0o755)
+        site.chmod(0o711)  # the venv's own site-packages: entered, not listed
+        refused = reach_refusal(nobody, "/bin/sh", python, "/")
+        assert refused and f"it may not list and enter {site} " in refused, refused
+    finally:
+        shutil.rmtree(base)
+
+
+@needs_root
 def test_a_model_or_data_the_user_cannot_read_refuses_the_start():
     """A model saved 0600 by root: the start says which file before it stops anything, instead of a
     successor that fails when it opens the weights."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from pvesim.fleet import Fleet
+from tests.run_user import readable_assets, site_packages_for_run_user
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -37,18 +38,19 @@ AUTO_MAP = '{"AutoModel": "modeling_dflash.DFlashDraftModel"}'
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("fetch-trust-fleet"), nodes=1, containers=(VMID,))
-    try:
-        # As tests/roles/test_secrets_and_trust.py: the sim's assets and venv readable for the run's user.
-        readable = "/srv/dflash-sim-assets"
-        made = f.ct(VMID, f"chmod 0711 /root && cp -r {f.assets} {readable} && chmod -R a+rX {readable}")
-        assert made.returncode == 0, made.stderr
-        f.host_vars(HOST, {"dflash_run_user": "dflash", "dflash_sim_assets": readable})
-        res = f.play("deploy.yml")
-        assert res.rc == 0, res
-        yield f
-    finally:
-        f.down()
+    with site_packages_for_run_user() as site_packages:
+        f = Fleet(tmp_path_factory.mktemp("fetch-trust-fleet"), nodes=1, containers=(VMID,))
+        try:
+            # As tests/roles/test_secrets_and_trust.py: the machine's python (under /root), the venv's
+            # site-packages and the sim's assets where the run's user may read them, whatever the checkout.
+            assert f.ct(VMID, "chmod 0711 /root").returncode == 0
+            f.host_vars(HOST, {"dflash_run_user": "dflash", "dflash_sim_assets": readable_assets(f, VMID),
+                               "dflash_env_site_packages": [site_packages]})
+            res = f.play("deploy.yml")
+            assert res.rc == 0, res
+            yield f
+        finally:
+            f.down()
 
 
 def as_user(fleet, command):

@@ -17,6 +17,7 @@ import tarfile
 import pytest
 
 from pvesim.fleet import Fleet, change_code
+from tests.run_user import readable_assets, site_packages_for_run_user
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -49,7 +50,15 @@ with open(out, "w") as fh:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def site_packages():
+    """The venv's site-packages where the run's user may read them, whatever the checkout's mode
+    (tests/run_user.py), staged before the fleet's containers start."""
+    with site_packages_for_run_user() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, site_packages):
     f = Fleet(tmp_path_factory.mktemp("secrets-fleet"), nodes=1, containers=(VMID,))
     yield f
     f.down()
@@ -161,12 +170,12 @@ def test_an_archive_swapped_in_the_controllers_cache_under_the_same_id_is_not_sh
     assert "EVIL" not in fleet.read(VMID, "/var/log/dflash/main.log")
 
 
-def test_the_trainer_runs_as_dflash_run_user(fleet):
+def test_the_trainer_runs_as_dflash_run_user(fleet, site_packages):
     """Last in this file: it leaves the run as that user. A deploy with dflash_run_user restarts the run
     as that user: its processes have its uid, its secrets file is its own and no one else's, its GPUs are
     busy as gpu_verify sees them, it cannot change what it runs, and a stop still checkpoints and ends it."""
     user_vars = fleet.base / "run-user.json"
-    user_vars.write_text(json.dumps({"dflash_run_user": "dflash",
+    user_vars.write_text(json.dumps({"dflash_run_user": "dflash", "dflash_env_site_packages": [site_packages],
                                      "dflash_run_secret_environment": {"HF_TOKEN": TOKEN}}))
     user_vars.chmod(0o600)
     assert fleet.play("deploy.yml").rc == 0  # a run as root first: its output directory is root's
@@ -177,18 +186,15 @@ def test_the_trainer_runs_as_dflash_run_user(fleet):
     assert refused.rc != 0 and "may not enter /root " in refused.stdout, refused.stdout[-4000:]
     assert fleet.alive(VMID, before["pid"]) and fleet.run_info(VMID)["pid"] == before["pid"]
     assert fleet.ct(VMID, "chmod 0711 /root").returncode == 0
-    # The sim's tiny model and data are written 0600: the user could not read them, which the start finds
-    # before it stops anything too (the run it would stop is a good one).
+    # The sim's tiny model and data are written 0600, in a checkout that may be root's alone: the user
+    # could not read them, which the start finds before it stops anything too (the run it would stop is a
+    # good one).
     refused = fleet.play("deploy.yml", "-e", f"@{user_vars}")
-    assert refused.rc != 0 and "it may not read " in refused.stdout, refused.stdout[-4000:]
-    assert str(fleet.assets) in refused.stdout, refused.stdout[-4000:]
+    assert "cannot start run as user dflash: it may not " in refused.stdout, refused.stdout[-4000:]
+    assert refused.rc != 0 and f"on the way to {fleet.assets}/" in refused.stdout, refused.stdout[-4000:]
     assert fleet.alive(VMID, before["pid"]) and fleet.run_info(VMID)["pid"] == before["pid"]
-    # A copy the user may read, in the container's own filesystem. Not a chmod of the originals: they reach
-    # the container through its overlay's lower layer, or a read-only bind mount for a checkout under /tmp
-    # or /root (pvesim/container.py), and a change under a mounted overlay is not seen the same inside.
-    readable = "/srv/dflash-sim-assets"
-    copied = fleet.ct(VMID, f"cp -r {fleet.assets} {readable} && chmod -R a+rX {readable}")
-    assert copied.returncode == 0, copied.stderr
+    # A copy the user may read, in the container's own filesystem.
+    readable = readable_assets(fleet, VMID)
     user_vars.write_text(json.dumps({**json.loads(user_vars.read_text()), "dflash_sim_assets": readable}))
     res = fleet.play("deploy.yml", "-e", f"@{user_vars}")
     assert res.rc == 0, res.stdout[-4000:]

@@ -37,6 +37,7 @@ from ansible_collections.dflash.ops.plugins.module_utils.safe_paths import (
     program_problem,
     refusal,
     tree_problem,
+    venv_import_directories,
     venv_problem,
 )
 
@@ -130,9 +131,12 @@ def may_use(info, identity, wanted=0o6):
 
 def reach_refusal(identity, program, interpreter, chdir):
     """Why the run's user could not run what the start checked (run.sh it must read and execute, the
-    interpreter it execs, the working directory), as the refusal message, or None: found before anything
-    is stopped, not by a successor that fails after the stop."""
+    interpreter it execs, the working directory, and the directories a venv interpreter imports from: its
+    site-packages and those its .pth files name, which it must read and enter), as the refusal message, or
+    None: found before anything is stopped, not by a successor that fails after the stop."""
     wanted = [(program, 0o5), (chdir or "/", 0o1)] + [(path, 0o1) for path in interpreters(interpreter)]
+    wanted += [(directory, 0o5) for path in interpreters(interpreter)
+               for directory in venv_import_directories(path)]
     return _path_refusal(identity, wanted, "or build the venv on a python the user can run")
 
 
@@ -167,15 +171,16 @@ def _path_refusal(identity, wanted, otherwise):
         for what, needed in [(real, bits)] + [(parent, 0o1) for parent in sorted(parents)]:
             mode = os.stat(what).st_mode
             if not may_use(os.stat(what), identity, needed):
-                doing = "enter" if what != real else PERMISSION_WORDS[needed]
+                doing = "enter" if what != real else PERMISSION_WORDS[needed, S_ISDIR(os.stat(real).st_mode)]
                 return (f"cannot start run as user {identity['name']}: it may not {doing} {what} (mode "
                         f"{S_IMODE(mode):04o}), on the way to {path}: {NOTHING_DONE}. Make it readable and "
                         f"searchable by other users (chmod o+rx), {otherwise}.")
     return None
 
 
-# What a refusal says the user may not do with a file, by the permission bits it lacks.
-PERMISSION_WORDS = {0o5: "read and run", 0o4: "read", 0o1: "run"}
+# What a refusal says the user may not do with a file (or a directory), by the permission bits it lacks.
+PERMISSION_WORDS = {(0o5, False): "read and run", (0o4, False): "read", (0o1, False): "run",
+                    (0o5, True): "list and enter", (0o4, True): "list", (0o1, True): "enter"}
 
 
 def device_refusal(identity, patterns=GPU_DEVICES):

@@ -270,10 +270,7 @@ def _site_entries_problem(site, fd):
         if reason:
             return f"{os.path.join(site, name)} {reason}"
         if name.endswith(".pth") and S_ISREG(info.st_mode):
-            pth = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            with os.fdopen(pth, encoding="utf-8", errors="replace") as lines:
-                added += [os.path.join(site, line.rstrip()) for line in lines if line.strip() and not
-                          line.startswith(("#", "import ", "import\t"))]
+            added += _pth_directories(site, name, fd)
     for directory in added:
         if os.path.isdir(directory):
             problem, dir_fd = _walked_problem(directory)
@@ -281,6 +278,47 @@ def _site_entries_problem(site, fd):
                 return f"{problem} (a directory a .pth file of {site} puts on the path)"
             os.close(dir_fd)
     return None
+
+
+def _pth_directories(site, name, fd):
+    """The directories the .pth file `name` of the site directory `site` (descriptor `fd`) names, as `site`
+    reads it: each line but comments and import lines, relative to `site`."""
+    pth = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    with os.fdopen(pth, encoding="utf-8", errors="replace") as lines:
+        return [os.path.join(site, line.rstrip()) for line in lines if line.strip() and not
+                line.startswith(("#", "import ", "import\t"))]
+
+
+def _venv_prefix(python):
+    """The venv directory of the interpreter `python` (where its pyvenv.cfg is), or None."""
+    bin_dir = os.path.dirname(os.path.abspath(python))
+    return next((d for d in (bin_dir, os.path.dirname(bin_dir))
+                 if os.path.lexists(os.path.join(d, VENV_CONFIG))), None)
+
+
+def venv_import_directories(python):
+    """The directories the venv interpreter `python` imports from that its venv decides: each site-packages
+    and each existing directory its .pth files name ([] for an interpreter that is not a venv's). Python
+    drops a path entry it cannot read in silence, so a run's user who cannot read one of them fails at its
+    first import; the start checks them for that user (run_start.reach_refusal) after venv_problem has
+    judged them."""
+    prefix = _venv_prefix(python)
+    if prefix is None:
+        return []
+    found = []
+    for site in sorted(glob.glob(os.path.join(glob.escape(prefix), "lib*", "python*", "site-packages"))):
+        found.append(site)
+        try:
+            fd = os.open(site, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            found += [d for name in sorted(os.listdir(fd)) if name.endswith(".pth")
+                      and S_ISREG(os.lstat(name, dir_fd=fd).st_mode)
+                      for d in _pth_directories(site, name, fd) if os.path.isdir(d)]
+        finally:
+            os.close(fd)
+    return list(dict.fromkeys(found))
 
 
 def venv_problem(python):
@@ -291,9 +329,7 @@ def venv_problem(python):
     each directory a .pth file names, all root's and writable by root alone, as every directory on the way
     (walked from /). A venv that includes the system's site-packages is refused: those are not checked.
     An interpreter without a pyvenv.cfg is not a venv's: program_problem alone judges it."""
-    bin_dir = os.path.dirname(os.path.abspath(python))
-    prefix = next((d for d in (bin_dir, os.path.dirname(bin_dir))
-                   if os.path.lexists(os.path.join(d, VENV_CONFIG))), None)
+    prefix = _venv_prefix(python)
     if prefix is None:
         return None
     config = os.path.join(prefix, VENV_CONFIG)
