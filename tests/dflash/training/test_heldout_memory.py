@@ -5,6 +5,7 @@ the evaluation held, with their log-softmax, before)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
@@ -17,11 +18,16 @@ from dflash_ops.training.trainer import DrafterTrainer, build_drafter, compute_p
 VOCAB, LENGTH, PROMPT, ANCHORS, CHUNK = 8192, 160, 16, 64, 32
 
 
+# A DSpark drafter's held-out pass adds its Markov correction a position at a time ([blocks, vocab]).
+KINDS = {"dflash": {}, "dspark": {"kind": "dspark", "markov_rank": 8}}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_the_heldout_peak_is_no_higher_than_a_training_step_at_the_same_shape(make_target, tiny_config,
-                                                                            tmp_path):
+                                                                            tmp_path, kind):
     target_dir = make_target("wide-vocab", vocab_size=VOCAB)
-    raw = tiny_config(tmp_path, model={"target_path": str(target_dir), "loss_chunk_size": CHUNK},
-                      data={"max_anchors": ANCHORS, "max_length": LENGTH})
+    model = {"target_path": str(target_dir), "loss_chunk_size": CHUNK, **KINDS[kind]}
+    raw = tiny_config(tmp_path, model=model, data={"max_anchors": ANCHORS, "max_length": LENGTH})
     cfg = config_from_dict(raw)
     target = load_target(target_dir, "float32")
     layer_ids = resolve_layer_ids(cfg, target.config.num_hidden_layers)
@@ -36,6 +42,7 @@ def test_the_heldout_peak_is_no_higher_than_a_training_step_at_the_same_shape(ma
 
     result, heldout_peak = peak_allocated_bytes(lambda: heldout(drafter))
     assert result.stats.lengths and result.loss > 0  # it evaluated every anchor, in chunks of ANCHORS
+    assert result.stats.block_size == block_size + (kind == "dspark")  # DSpark: b drafts, verified by b + 1
 
     packed = target_hidden_states(target, ids[None], torch.ones(1, LENGTH, dtype=torch.int64), layer_ids)
     trainer = DrafterTrainer(drafter, cfg)
