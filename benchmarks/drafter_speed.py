@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -67,7 +66,13 @@ def compiled_graphs() -> int:
 
 def measure(mode: str, device: str, backend: str) -> dict:
     """One backend's figures, in this process."""
-    from benchmarks.gpu_check import TARGET_SHAPE, predicted_peaks, recipe_batch, recipe_trainer
+    from benchmarks.gpu_check import (
+        TARGET_SHAPE,
+        predicted_peaks,
+        recipe_batch,
+        recipe_trainer,
+        synced_seconds,
+    )
 
     dev = torch.device(device)
     trainer, cfg, width, dtype = recipe_trainer(mode, dev, attention_backend=backend)
@@ -76,13 +81,7 @@ def measure(mode: str, device: str, backend: str) -> dict:
 
     def step(lengths=None) -> tuple[float, object]:
         batch = recipe_batch(cfg, width, dtype, dev, g, lengths)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        started = time.perf_counter()
-        result = trainer.train_step(**batch)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - started
+        seconds, result = synced_seconds(lambda: trainer.train_step(**batch), dev)
         print(f"{backend} ({trainer.attention.backend}): step {trainer.step} of {len(lengths or [])} or "
               f"{d.batch_size} documents in {seconds:.2f} s", file=sys.stderr, flush=True)
         return seconds, result

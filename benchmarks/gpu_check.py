@@ -151,13 +151,8 @@ def capture_part(mode: str, device: str) -> dict:
                                         rows_per_pass=rows_per_pass)
 
         capture()  # warm-up
-        seconds = []
-        for _ in range(2):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            started = time.perf_counter()
-            _, peak = peak_allocated_bytes(capture, dev)
-            seconds.append(time.perf_counter() - started)
+        timed = [synced_seconds(lambda: peak_allocated_bytes(capture, dev), dev) for _ in range(2)]
+        seconds, peak = [s for s, _ in timed], timed[-1][1][1]
         rows[name] = {"tokens_per_s": round(tokens / min(seconds)), "peak_gib": round(peak / 2**30, 3)}
     rows["batch"] = f"{shape['batch']} x {shape['max_len']}"
     rows["shape"] = f"random Qwen3, {shape['layers']} layers, H {shape['hidden']}"
@@ -204,6 +199,17 @@ def predicted_peaks(cfg: TrainConfig, mode: str) -> dict[str, dict | None]:
         (peak,) = memory_fit.predict(variant, shape, runtime_bytes=0)  # max_memory_allocated: no context
         peaks[phase] = {"bytes": peak.total, "terms": {name: b for name, b in peak.terms if b}}
     return peaks
+
+
+def synced_seconds(fn, dev: torch.device) -> tuple[float, object]:
+    """(the seconds of `fn()`, its result), the device's queued work finished before and after on CUDA."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    started = time.perf_counter()
+    result = fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - started, result
 
 
 def _device_peak(fn, dev: torch.device) -> tuple[object, int, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -81,7 +80,14 @@ def modelled(cfg, mode: str) -> dict:
 
 def kinds_part(mode: str, device: str) -> dict:
     """Run in a child process (`--part kinds`): every kind's step, one after another, on the same batch."""
-    from benchmarks.gpu_check import TARGET_SHAPE, _device_peak, predicted_peaks, recipe_batch, recipe_trainer
+    from benchmarks.gpu_check import (
+        TARGET_SHAPE,
+        _device_peak,
+        predicted_peaks,
+        recipe_batch,
+        recipe_trainer,
+        synced_seconds,
+    )
     from dflash_ops.core.config import load_config
 
     dev = torch.device(device)
@@ -98,13 +104,7 @@ def kinds_part(mode: str, device: str) -> dict:
         step_batch = {**batch, "features": batch["features"][:, :width]}
 
         def step(step_batch=step_batch, trainer=trainer):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            started = time.perf_counter()
-            result = trainer.train_step(**step_batch)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            return time.perf_counter() - started, result
+            return synced_seconds(lambda: trainer.train_step(**step_batch), dev)
 
         first_s, _ = step()
         for _ in range(warmup - 1):
