@@ -40,6 +40,7 @@ from dflash_ops.model.loss import (
     sample_anchors,
     softmax_cross_entropy,
 )
+from dflash_ops.training.checkpoint import dspark_args, new_drafter
 
 # Where a step reads the device from the host (`.item()`, `.tolist()`, `.cpu()`, a tensor's bool, int or
 # float): laying out the batch before the forward, and the figures the log shows, once at the end.
@@ -69,8 +70,6 @@ def build_drafter(cfg: TrainConfig, head: TargetHead) -> DFlashDrafter:
         block_size=cfg.model.block_size, mask_token_id=mask_token_id,
         layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
     )
-    from dflash_ops.training.checkpoint import dspark_args, new_drafter
-
     dspark = dspark_args(dataclasses.asdict(cfg.model))  # None: DFlash; else DSpark's heads
     drafter = new_drafter(drafter_cfg, head.embed_tokens, head.lm_head, dspark)
     return drafter.to(device=head.embed_tokens.weight.device)
