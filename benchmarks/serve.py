@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVE_VENV = REPO / ".cache" / "serve-venv"
 SERVE_PYTHON = SERVE_VENV / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_driver.py")
+DSPARK_DRIVER = Path(__file__).with_name("vllm_dspark_driver.py")  # vLLM's DSpark parts, driven directly
 # Written last by scripts/serve_venv.py (scripts/cached_venv.py): its absence means no usable venv.
 SERVE_VENV_COMPLETE = SERVE_VENV / ".complete"
 # vLLM on CPU sizes its KV cache from this (GiB); the default would take a good share of the memory.

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.serve import serve_venv_problem, train_tiny_drafter, vllm_generate
+from benchmarks.serve import DSPARK_DRIVER, serve_venv_problem, train_tiny_drafter, vllm_generate
 from dflash_ops.core.config import load_config
 from dflash_ops.data.target import load_target
 from dflash_ops.serve.dspark_decode import dspark_proposer
@@ -28,19 +28,16 @@ from dflash_ops.training.checkpoint import find_checkpoint, load_drafter
 pytestmark = pytest.mark.serve
 DSPARK = {"kind": "dspark", "markov_rank": 16, "confidence_head": True}
 LOSS = {"kind": "mix", "weights": {"ce": 0.1, "tvd": 0.9, "bce": 1.0}}  # Model-Optimizer's defaults
-DRIVER = "vllm_dspark_driver.py"
 
 
 def vllm_dspark(workdir, export, target_dir, inputs: dict, name: str) -> tuple[dict, dict]:
-    from benchmarks.serve import DRIVER as GENERATE_DRIVER
-
     config = json.loads((export / "config.json").read_text())
     save_file({key: value.contiguous() for key, value in inputs.items()}, workdir / f"{name}.in.safetensors")
     request = {"target": str(target_dir), "drafter": str(export), "dtype": "float32", "max_model_len": 512,
                "num_speculative_tokens": config["block_size"],  # a DSpark block drafts b tokens
                "inputs": str(workdir / f"{name}.in.safetensors"),
                "result_tensors": str(workdir / f"{name}.out.safetensors")}
-    result = vllm_generate(request, workdir, name, driver=GENERATE_DRIVER.with_name(DRIVER))
+    result = vllm_generate(request, workdir, name, driver=DSPARK_DRIVER)
     return result, load_file(result["tensors"])
 
 
