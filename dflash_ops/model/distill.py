@@ -48,7 +48,7 @@ from dflash_ops.core.loss_section import (  # noqa: F401 (re-exported)
     loss_mix,
     needs_target,
 )
-from dflash_ops.model.loss import BlockBatch, _head_in_compute_dtype, tally_by_position
+from dflash_ops.model.loss import BlockBatch, head_in_compute_dtype, tally_by_position
 
 
 def split_features(features: torch.Tensor, hidden_size: int, n_features: int
@@ -126,7 +126,7 @@ class _ChunkedMixLoss(torch.autograd.Function):
                 block_size, weigh, mix):
         needs_grad = ctx.needs_input_grad[0]
         device_type = hidden.device.type
-        head = _head_in_compute_dtype(weight, device_type)
+        head = head_in_compute_dtype(weight, device_type)
         hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         ce_rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)

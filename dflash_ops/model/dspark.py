@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash_ops.model.drafter import DFlashDrafter, DrafterConfig
-from dflash_ops.model.loss import BlockBatch, tally_by_position
+from dflash_ops.model.loss import BlockBatch, head_in_compute_dtype, tally_by_position
 
 
 class MarkovHead(nn.Module):
@@ -170,10 +170,8 @@ def dspark_loss(drafter: DSparkDrafter, hidden: torch.Tensor, targets: DSparkTar
         raise ValueError("the DSpark loss needs the target's distribution, and none was given")
     h = hidden[rows]
     target_hidden = None if target_last is None else target_last[targets.target_rows]
-    head = drafter.lm_head.weight
     device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        head = head.to(torch.get_autocast_dtype(device_type))
+    head = head_in_compute_dtype(drafter.lm_head.weight, device_type)
     conf = drafter.confidence_head
     conf_args = (None, None, False) if conf is None or not bce_weight else (conf.proj.weight, conf.proj.bias,
                                                                            conf.with_markov)

@@ -218,7 +218,7 @@ def block_accuracy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     return correct / scored if scored else math.nan
 
 
-def _head_in_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.Tensor:
+def head_in_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.Tensor:
     """The frozen head's weight in the dtype its matmul runs in: the autocast dtype when autocast is on
     (one cast for all chunks, where autocast would cast per chunk), else its own."""
     compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
@@ -310,7 +310,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 chunk_loss):
         needs_grad = ctx.needs_input_grad[0]
         device_type = hidden.device.type
-        head = _head_in_compute_dtype(weight, device_type)
+        head = head_in_compute_dtype(weight, device_type)
         scale = weights / normalizer if weigh is None else torch.ones_like(weights)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.zeros(block_size, dtype=torch.int64, device=hidden.device)
@@ -359,7 +359,7 @@ def chunked_head_eval(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: to
     (the head in the autocast dtype when autocast is on, the log-softmax in float32) for an evaluation,
     so no `[N, vocab]` tensor exists."""
     device_type = hidden.device.type
-    head = _head_in_compute_dtype(lm_head.weight, device_type)
+    head = head_in_compute_dtype(lm_head.weight, device_type)
     argmax = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     step = max(1, chunk_size or hidden.shape[0])

@@ -47,7 +47,7 @@ from dflash_ops.model import flex
 from dflash_ops.model.acceptance import AcceptanceStats, replay_acceptance
 from dflash_ops.model.drafter import DFlashDrafter
 from dflash_ops.model.dspark import DSparkDrafter, dspark_targets
-from dflash_ops.model.loss import BlockBatch, _head_in_compute_dtype, build_block_batch, chunked_head_eval
+from dflash_ops.model.loss import BlockBatch, build_block_batch, chunked_head_eval, head_in_compute_dtype
 
 
 @dataclass
@@ -187,7 +187,7 @@ def dspark_head_eval(drafter: DSparkDrafter, hidden: torch.Tensor, batch: BlockB
     length = input_ids.numel()
     forced = input_ids[(batch.block_anchor[:, None] + torch.arange(b, device=device)).clamp(max=length - 1)]
     rows = hidden.reshape(blocks, b, hidden.shape[-1])
-    head = _head_in_compute_dtype(drafter.lm_head.weight, device.type)
+    head = head_in_compute_dtype(drafter.lm_head.weight, device.type)
     markov = drafter.markov_head
     drafts = torch.empty(blocks, b, dtype=torch.int64, device=device)
     total = torch.zeros((), dtype=torch.float32, device=device)
