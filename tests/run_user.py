@@ -14,6 +14,7 @@ assets copied inside the container.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import stat
 import sysconfig
@@ -74,6 +75,7 @@ def readable_assets(fleet, vmid):
     `vmid`'s own filesystem; returns the directory, for dflash_sim_assets. Not a chmod of the originals:
     they reach the container through its overlay's lower layer, or a read-only bind mount for a checkout
     under /tmp or /root (pvesim/container.py), and may sit in a directory of root's alone."""
-    made = fleet.ct(vmid, f"cp -r {fleet.assets} {READABLE_ASSETS} && chmod -R a+rX {READABLE_ASSETS}")
+    source, dest = shlex.quote(str(fleet.assets)), shlex.quote(READABLE_ASSETS)
+    made = fleet.ct(vmid, f"cp -r {source} {dest} && chmod -R a+rX {dest}")
     assert made.returncode == 0, made.stderr
     return READABLE_ASSETS
