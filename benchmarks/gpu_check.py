@@ -27,7 +27,6 @@ f. the recipe's drafter step by attention backend (`benchmarks.drafter_speed`): 
    between steps: step time, samples/s, tokens/s, the first step's compilation, `max_memory_reserved`
    beside the prediction, new torch.compile graphs after warm-up (the goal: none), the speed-up, and
    SpecForge's published samples/s beside them. Alone (`--parts drafter_speed`) about 3 minutes.
-
 g. the drafter step by kind (`benchmarks.gpu_check_drafter`, `drafter_kinds`): the DSpark recipe's rank
    (`configs/qwen3-8b-dspark.yaml`) beside DFlash and distilled DFlash at its shape, in one process: step
    time, each over DFlash's beside the cost model's ratio, peak beside the memory model's.

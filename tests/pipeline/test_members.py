@@ -6,11 +6,10 @@ containers deployed, training and shown as one through the playbooks (tests/role
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from dflash_ops.training.checkpoint import latest_checkpoint, load_checkpoint
+from tests.ports import rendezvous_port
 
 STEPS = 4
 ONE_MEMBER = {"target_workers": 2, "drafter_workers": 2, "threads_per_worker": 1, "queue_depth": 2}
@@ -23,21 +22,16 @@ def step_losses(run) -> list[float]:
     return [e["loss"] for e in run.events() if e["event"] == "step"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.reliability_full
-def test_two_members_train_as_one_run_and_resume_from_their_own_checkpoints(write_config, start_run):
+def test_two_members_train_as_one_run_and_resume_from_their_own_checkpoints(write_config, start_run,
+                                                                            tmp_path):
     reference = start_run(write_config("reference", optim={"total_steps": STEPS}, pipeline=ONE_MEMBER))
     assert reference.wait(timeout=240) == 0, reference.log_path.read_text()[-3000:]
     expected = step_losses(reference)
     assert len(expected) == STEPS
 
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{rendezvous_port(str(tmp_path))}"
     configs = [write_config(f"member{i}", optim={"total_steps": STEPS}, run={"max_steps_per_run": STEPS // 2},
                             pipeline={**MEMBER, "member": i, "rendezvous": endpoint, "address": "127.0.0.1"})
                for i in range(2)]

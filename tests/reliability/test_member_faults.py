@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.ports import rendezvous_port
 from tests.reliability.input_support import InputFleet
 from tests.reliability.stops_support import trainer_processes
 from tests.roles.test_run_members import CONTAINERS, HOSTS, member_vars
@@ -25,9 +26,8 @@ BLOCKER = "/var/lib/dflash/runs/main"  # a file here keeps a member's run from w
 def fleet(tmp_path_factory):
     f = InputFleet(tmp_path_factory.mktemp("member-faults"), nodes=2, containers=CONTAINERS, gpus=2,
                    network="loopback")
-    port = 29400 + int(f.sim.tag, 16) % 20000  # the sim's own addresses: no other sim uses this endpoint
     for host in HOSTS:
-        f.host_vars(host, member_vars(port))
+        f.host_vars(host, member_vars(rendezvous_port(f.sim.tag)))
     res = f.play("deploy.yml")
     assert res.rc == 0, str(res)
     yield f

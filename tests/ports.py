@@ -1,0 +1,42 @@
+"""A port for a torch c10d store in the tests.
+
+A torch c10d store (torchrun's rendezvous) listens on every address of the machine: TCPStore binds the
+wildcard (`ss -ltn` shows `*:PORT`), whatever address its endpoint names. The sim's `loopback` network
+shares the machine's network namespace, so a member's store needs its port free on the whole machine,
+and an outgoing connection that takes that port as its ephemeral source port makes the store's bind fail
+with EADDRINUSE. `rendezvous_port` picks one below the kernel's ephemeral range.
+"""
+
+import hashlib
+import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10000  # above the well-known and the common registered services' ports
+
+
+def free_on_every_address(port: int) -> bool:
+    """Whether a listener could bind `port` on the wildcard now (no listener, no connection holds it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no conflict
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(seed: str) -> int:
+    """A port for a c10d store that stays usable while a test's runs stop and start on it: below the
+    ephemeral range (no outgoing connection is given it) and free on every address now. `seed` (a sim's
+    tag) spreads sims side by side over the range."""
+    ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    span = ephemeral_low - LOWEST
+    if span <= 0:
+        raise RuntimeError(f"the ephemeral port range starts at {ephemeral_low}, below {LOWEST}")
+    start = int(hashlib.sha1(seed.encode()).hexdigest(), 16) % span
+    for i in range(span):
+        port = LOWEST + (start + i) % span
+        if free_on_every_address(port):
+            return port
+    raise RuntimeError(f"no free port in {LOWEST}-{ephemeral_low - 1}")
