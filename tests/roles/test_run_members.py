@@ -1,17 +1,17 @@
 """A run across two containers on two nodes (the sim's loopback network), 1 drafter + 1 target worker
 in each, deployed and shown as one run through the playbooks.
 
-Stopping it at one checkpoint, restarting it, and a member that fails to start are in
+A restart refused before any member is stopped (a member's venv it must not run) is here; stopping it at one
+checkpoint, restarting it, and a member that fails to start are in
 tests/reliability/test_member_faults.py (`make test-reliability`), with this module's settings.
 The tests share one fleet and run in order, each from the state the previous one left.
 """
-
-import socket
 
 import pytest
 import yaml
 
 from pvesim.fleet import SIM_GROUP_VARS, Fleet
+from tests.ports import rendezvous_port
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
@@ -41,11 +41,8 @@ def member_vars(port):
 def fleet(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("members-fleet"), nodes=2, containers=CONTAINERS, gpus=2,
               network="loopback")
-    with socket.socket() as s:
-        s.bind((f.sim.address_of(CONTAINERS[0]), 0))
-        port = s.getsockname()[1]
     for host in HOSTS:
-        f.host_vars(host, member_vars(port))
+        f.host_vars(host, member_vars(rendezvous_port(f.sim.tag)))
     yield f
     f.down()
 
@@ -74,3 +71,31 @@ def test_status_shows_the_run_as_one_row_with_its_members(fleet):
     assert "run main across 2 members:" in members
     for vmid, node in zip(CONTAINERS, ("pve1", "pve2"), strict=True):
         assert f"ct{vmid} ({node}, running, pid {fleet.run_info(vmid)['pid']}," in members
+
+
+def test_a_restart_one_member_would_refuse_is_refused_before_any_member_is_stopped(fleet):
+    """CT 211's venv is made writable by its group: its start would be refused, so the restart stops no
+    member (it used to stop both, then fail CT 211's start). The first member's check includes the
+    rendezvous port (held by the run it would replace, so allowed)."""
+    port = yaml.safe_load((fleet.base / "inventory" / "host_vars" / "ct210.yml").read_text())[
+        "dflash_run_rendezvous_port"]
+    before = [fleet.run_info(v)["pid"] for v in CONTAINERS]
+    config = "/opt/dflash/venv/pyvenv.cfg"
+    assert fleet.ct(211, f"chmod g+w {config}").returncode == 0
+    try:
+        res = fleet.play("restart_training.yml")
+    finally:
+        fleet.ct(211, f"chmod g-w {config}")
+    assert res.rc != 0
+    checks = res.results("Check that the run's start would pass its checks (nothing is stopped).")
+    assert [checks[h]["invocation"]["module_args"]["free_ports"] for h in HOSTS] == [[port], []], checks
+    assert not checks["ct210"].get("failed") and checks["ct211"].get("failed"), checks
+    refused = res.results("whose start would be refused, with every member left as it is.")
+    assert set(refused) == set(HOSTS), str(res)
+    msg = refused["ct210"]["msg"]
+    assert "the start would be refused on ct211: ct211:" in msg and config in msg, msg
+    assert "Nothing was stopped on any member (ct210, ct211)" in msg
+    stops = res.results("Stop the run (the trainer checkpoints on SIGTERM).")
+    assert all(r.get("skipped") for r in stops.values()), stops
+    assert [fleet.run_info(v)["pid"] for v in CONTAINERS] == before
+    assert all(fleet.alive(v, pid) for v, pid in zip(CONTAINERS, before, strict=True))

@@ -1,8 +1,8 @@
 # Copyright: dflash-ops contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """What training_run does for each state, under the pidfile's lock: read the run's status, stop what the
-pidfile names (a stale pidfile is removed or set aside, nothing signalled), or start the run, after a
-restart's stop and a wait for its GPUs to be idle."""
+pidfile names (a stale pidfile is removed or set aside, nothing signalled), start the run, after a
+restart's stop and a wait for its GPUs to be idle, or only check that a start would pass (checked)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_pidfile import (
     set_aside,
     stopped_result,
 )
+from ansible_collections.dflash.ops.plugins.module_utils.run_ports import port_refusal
+from ansible_collections.dflash.ops.plugins.module_utils.run_proc import process_table, run_members
 from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
     last_log_line,
     log_match,
@@ -128,6 +130,15 @@ def apply_state(module, env, phases):
             return running_result(record, changed=False, msg=f"already running: {describe(record)}")
         raise RunError(f"pidfile {params['pidfile']} is held by a live run with another command or user: "
                        f"{describe(record)}; use state=restarted to replace it", **running_result(record))
+    if params["free_ports"]:
+        # The run this start replaces may hold them: it is stopped first.
+        run_pids = run_members(process_table(), record["pgid"], [record["pid"]]) if verdict == "live" else {}
+        refused = port_refusal(params["free_ports"], run_pids)
+        if refused:
+            raise RunError(refused)
+    if state == "checked":
+        replaces = f"; it would stop {describe(record)} first" if verdict == "live" else ""
+        return dict(changed=False, msg=f"a start of {params['command']} passes its checks{replaces}")
     result = {}
     if verdict != "absent":  # restarted with a live run, or any stale pidfile
         result.update(do_stop(module, record, verdict, phases))

@@ -44,9 +44,20 @@ options:
       - V(stopped) stops the run recorded in the pidfile and removes the pidfile.
       - V(restarted) stops the live run (if any), then starts O(command).
       - V(status) reports the run without changing anything.
+      - V(checked) runs the checks of a V(restarted) start (the program and its venv, the run's user and
+        what it reads, the log, O(free_ports), O(expect_pid)) and changes nothing. A run across
+        containers checks every member so before it stops any.
     type: str
-    choices: [started, stopped, restarted, status]
+    choices: [started, restarted, checked, stopped, status]
     default: started
+  free_ports:
+    description:
+      - TCP ports the run will listen on (the rendezvous of a run across containers, on its first
+        member). A start fails before anything is stopped when a process other than the run it replaces
+        listens on one, on any address (torch's TCPStore binds the wildcard).
+    type: list
+    elements: int
+    default: []
   pidfile:
     description: Path of the pidfile. Defaults to C(/var/lib/dflash/<name>.pid).
     type: path
@@ -430,9 +441,11 @@ from ansible_collections.dflash.ops.plugins.module_utils.run_start import (
 )
 from ansible_collections.dflash.ops.plugins.module_utils.run_state import apply_state
 
+# The states that run a start's checks (checked runs only those).
+STARTS = ("started", "restarted", "checked")
 ARGUMENT_SPEC = dict(
     name=dict(type="str", required=True),
-    state=dict(type="str", default="started", choices=["started", "stopped", "restarted", "status"]),
+    state=dict(type="str", default="started", choices=[*STARTS, "stopped", "status"]),
     pidfile=dict(type="path"),
     command=dict(type="list", elements="str"),
     chdir=dict(type="path"),
@@ -455,6 +468,7 @@ ARGUMENT_SPEC = dict(
     environment_file=dict(type="path"),
     stale_environment_file=dict(type="path"),
     idle_gpus=dict(type="list", elements="int"),
+    free_ports=dict(type="list", elements="int", default=[]),
     idle_max_memory_mib=dict(type="int", default=100),
     idle_timeout=dict(type="float", default=60),
     boot=dict(type="dict", options=dict(
@@ -472,7 +486,7 @@ LOCK_HELD_FOR = ("stop_timeout", "kill_timeout", "idle_timeout", "startup_wait",
 def main():
     module = AnsibleModule(
         argument_spec=ARGUMENT_SPEC,
-        required_if=[("state", "started", ["command"]), ("state", "restarted", ["command"])],
+        required_if=[("state", state, ["command"]) for state in STARTS],
         supports_check_mode=True,
     )
     params = module.params
@@ -483,6 +497,8 @@ def main():
                 "idle_timeout"):
         if params[key] < 0:
             module.fail_json(msg=f"{key} must be >= 0, got {params[key]}")
+    if any(not 0 < port < 65536 for port in params["free_ports"]):
+        module.fail_json(msg=f"free_ports must be TCP ports (1-65535), got {params['free_ports']}")
     if any(index < 0 for index in params["idle_gpus"] or ()):
         module.fail_json(msg=f"idle_gpus must be GPU indices >= 0, got {params['idle_gpus']}")
     if params["log_offset"] is not None and params["log_offset"] < 0:
@@ -506,7 +522,7 @@ def main():
     params["log_path"] = params["log_path"] or default_log_path
     result = dict(name=name, pidfile=params["pidfile"])
     try:
-        env = base_environment(params["user"] if params["state"] in ("started", "restarted") else None)
+        env = base_environment(params["user"] if params["state"] in STARTS else None)
         env.update({key: str(value) for key, value in params["environment"].items()})
         if params["async_results_file"]:
             failed, job = run_job.job_status(params, remove=not module.check_mode)
@@ -516,7 +532,7 @@ def main():
             module.exit_json(**result)
         if params["environment_file"] and params["state"] in ("started", "restarted"):
             env.update(read_environment_file(params["environment_file"], params["user"]))
-        changes = params["state"] != "status" and not module.check_mode
+        changes = params["state"] not in ("status", "checked") and not module.check_mode
         # Another invocation holds the lock at most as long as its own waits: this one's, and a minute.
         lock_wait = 60 + sum(params[key] or 0 for key in LOCK_HELD_FOR)
         with pidfile_lock(params["pidfile"], changes, lock_wait), \
