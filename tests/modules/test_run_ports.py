@@ -55,7 +55,7 @@ def test_a_port_another_process_listens_on_refuses_the_start_before_anything_is_
     for state in ("checked", "restarted"):
         result, rc = run.call(state=state, command=[sys.executable, FAKE_RUN], free_ports=[port])
         assert rc != 0, result
-        assert f"port {port}" in result["msg"] and "nothing was stopped" in result["msg"], result
+        assert f"port {port}" in result["msg"] and "this call stopped nothing" in result["msg"], result
         assert f"pid {holder} ({sys.executable} -c" in result["msg"], result
         # The run it would have replaced runs on.
         status, _ = run.call(state="status")

@@ -76,10 +76,10 @@ def port_refusal(ports, run_pids, proc_root=PROC):
         if foreign:
             named = "; ".join(f"pid {pid} ({cmd or '?'})" for pid, cmd in sorted(foreign.items()))
             return (f"port {port}, which the run listens on (the rendezvous of a run across containers), is "
-                    f"held by another process: {named}. The run could not start, so nothing was stopped: "
-                    f"stop that process or choose another dflash_run_rendezvous_port")
+                    f"held by another process: {named}. The run could not start, and this call stopped "
+                    f"nothing: stop that process or choose another dflash_run_rendezvous_port")
         if not holders:
             return (f"port {port}, which the run listens on (the rendezvous of a run across containers), has "
                     f"a listener no process of this container holds (another container in its network "
-                    f"namespace?). The run could not start, so nothing was stopped")
+                    f"namespace?). The run could not start, and this call stopped nothing")
     return None
