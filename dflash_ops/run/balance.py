@@ -27,7 +27,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from dflash_ops.core.loss_section import extra_head_flops
+from dflash_ops.core.loss_section import extra_head_flops, needs_target
 
 # A layout is called balanced when neither side waits for more than this share of its time.
 BALANCED_WAIT = 0.15
@@ -277,7 +277,8 @@ def measured_cost(cfg, path, shape=None) -> RunCost:
     - a run's `balance` (its status.json, or the last `balance` line of its log): each side's seconds a
       batch as the run measured them, the split as configured;
     - the GPU check's result (gpu_check.json, part f): the drafter step it measured at the recipe's shape,
-      which replaces H200_DRAFTER_STEP in the model (needs `shape`, the target's).
+      which replaces H200_DRAFTER_STEP in the model (needs `shape`, the target's); for a distilled or a
+      DSpark drafter, with the correction part g measured for its kind (`kind_correction`).
     ValueError when the file holds neither."""
     from pathlib import Path
 
@@ -312,9 +313,37 @@ def measured_cost(cfg, path, shape=None) -> RunCost:
                           ref.anchors, ref.block_size, ref.layers, ref.feature_layers, str(path))
         on_gpu = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, device="cuda"))
         cost = modelled_cost(on_gpu, shape, step)
-        return dataclasses.replace(cost, how=f"drafter step measured in {path}, the rest modelled from it")
+        how = f"drafter step measured in {path}, the rest modelled from it"
+        correction = kind_correction(cfg, records[0])
+        if correction:
+            factor, said = correction
+            return dataclasses.replace(cost, drafter_s=cost.drafter_s * factor, how=f"{how}; {said}")
+        return dataclasses.replace(cost, how=how)
     raise ValueError(f"{path} holds no measured step time: a run's status.json or log with a balance line "
                      "(target_cost_s, drafter_cost_s), or a GPU check's gpu_check.json with part f")
+
+
+def check_kind(cfg) -> str:
+    """The row of the GPU check's part g (`benchmarks.gpu_check_drafter.KINDS`) that times `cfg`'s drafter."""
+    if cfg.model.kind == "dspark":
+        return "dspark"
+    return "dflash_distilled" if needs_target(cfg.loss.mix) else "dflash"
+
+
+def kind_correction(cfg, check: dict) -> tuple[float, str] | None:
+    """(factor, what it is) for the modelled drafter seconds of a distilled or DSpark drafter, from the GPU
+    check's part g (its step over DFlash's, measured side by side at the DSpark recipe's shape): the
+    measured ratio over the FLOPs model's at that shape, so that what the heads and the loss cost beyond
+    their FLOPs (an eager loss, the Markov gather) is counted. None for plain DFlash, a dry run or a check
+    without part g."""
+    kind = check_kind(cfg)
+    rows = check.get("drafter_kinds")
+    row = rows.get(kind) if isinstance(rows, dict) and kind != "dflash" and not check.get("dry_run") else None
+    if not isinstance(row, dict) or not (row.get("time_ratio") and row.get("modelled_ratio")):
+        return None
+    factor = row["time_ratio"] / row["modelled_ratio"]
+    return factor, (f"{kind}'s step over DFlash's as part g measured it, {row['time_ratio']}x against the "
+                    f"model's {row['modelled_ratio']}x (x{factor:.3f})")
 
 
 # --- while it runs: each rank's own seconds ------------------------------------------------------

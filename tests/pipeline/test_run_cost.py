@@ -4,12 +4,14 @@ shapes, or measured, from a run's balance line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 import dflash_ops.config as config_command
 from dflash_ops.core.config import load_config, with_examples
+from dflash_ops.core.loss_section import LossConfig
 from dflash_ops.run import balance
 from dflash_ops.run.balance import H200_DRAFTER_STEP, MeasuredWaits, modelled_cost
 from dflash_ops.training import memory_fit
@@ -21,8 +23,6 @@ ROWS = 800_000  # a regenerated data set of the paper's size
 def recipe(rows: int = ROWS, **pipeline):
     cfg = with_examples(load_config("configs/qwen3-8b.yaml", check_target=False), rows)
     if pipeline:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, **pipeline))
     return cfg
 
@@ -42,6 +42,34 @@ def test_the_recipe_costs_its_samples_over_the_drafters_measured_pace():
     # The seeds' 5 targets : 3 drafters: the drafters bind harder, the same GPUs for longer.
     seeds = modelled_cost(recipe(target_gpus=[0, 1, 2, 3, 4], drafter_gpus=[5, 6, 7]), QWEN3_8B)
     assert seeds.samples_per_s == pytest.approx(3 / 0.182) and seeds.gpu_hours > 1.6 * cost.gpu_hours
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash_distilled", "dspark"])
+def test_a_gpu_check_s_part_g_corrects_the_modelled_step_of_a_distilled_or_dspark_drafter(tmp_path, kind):
+    """Part f's DFlash step at the recipe's shape, scaled by the FLOPs model to the drafter's kind; with part
+    g, by its measured ratio over DFlash instead of the model's."""
+    cfg = with_examples(load_config("configs/qwen3-8b-dspark.yaml" if kind == "dspark" else
+                                    "configs/qwen3-8b.yaml", check_target=False), ROWS)
+    if kind == "dflash_distilled":
+        cfg = dataclasses.replace(cfg, loss=LossConfig("mix", {"ce": 0.1, "tvd": 0.9}))
+    assert balance.check_kind(cfg) == kind
+    part_f = {"device": "NVIDIA H200", "dry_run": False, "drafter_speed": {"auto": {"step_s": 1.1}}}
+    ratios = {"dflash": (1.0, 1.0), "dflash_distilled": (1.25, 1.13), "dspark": (1.8, 1.46)}
+    part_g = {k: {"step_s": 1.5 * t, "time_ratio": t, "modelled_ratio": m} for k, (t, m) in ratios.items()}
+    with_g = {**part_f, "drafter_kinds": {**part_g, "shape": "the recipe"}}
+    costs = {}
+    for name, record in (("f", part_f), ("fg", with_g)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+        costs[name] = balance.measured_cost(cfg, tmp_path / f"{name}.json", QWEN3_8B)
+    if kind == "dflash":  # part f times DFlash itself: nothing to correct
+        assert dataclasses.replace(costs["fg"], how="") == dataclasses.replace(costs["f"], how="")
+        assert "part g" not in costs["fg"].how
+        return
+    time_ratio, modelled_ratio = ratios[kind]
+    assert costs["fg"].drafter_s == pytest.approx(costs["f"].drafter_s * time_ratio / modelled_ratio)
+    assert costs["fg"].target_s == costs["f"].target_s
+    assert f"{kind}'s step over DFlash's as part g measured it, {time_ratio}x against the model's " \
+           f"{modelled_ratio}x" in costs["fg"].how
 
 
 def test_a_cpu_layout_has_no_modelled_cost_the_figure_is_a_gpu_s():
