@@ -5,8 +5,9 @@
 - CPU: torch has no peak counter for its CPU allocator, and process RSS is blurred by the Python
   heap, the allocator's free lists and pages touched earlier. `torch.profiler` with
   `profile_memory=True` records every allocation and free of torch's CPU allocator as a
-  `[memory]` event with a signed byte count; the running sum of those events in time order is the
-  memory the call holds at each moment beyond what existed before it, and its maximum is the peak.
+  `[memory]` event with a signed byte count and the block's address; the running sum of those events in
+  time order (a free counted only for a block allocated during the call) is the memory the call holds at
+  each moment beyond what existed before it, and its maximum is the peak.
 - CPU, whole process (`peak_rss_bytes`): the kernel's high-water mark of resident memory, reset
   just before the call (`echo 5 > /proc/self/clear_refs`), minus the resident size then. It counts
   every page the call touches (torch's allocator, the Python heap, libraries' buffers), so it is
@@ -24,20 +25,36 @@ import torch
 
 
 def _cpu_peak_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted((event for event in _event_tree(tree)
+                          if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu"),
+                         key=lambda event: event.start_time_ns)
+    # Only a free of a block allocated in this call counts. torch's CPU reporter keeps the size of a block
+    # allocated while a profiler ran and freed after it stopped (c10/core/CPUAllocator.cpp,
+    # ProfiledCPUMemoryReporter::Delete looks sizes up only while profiling), so a block allocated later at
+    # that address before this call, freed during it, is reported as a free of the stale size.
     held = peak = 0
-    for _, nbytes in events:
+    sizes: dict[int, int] = {}
+    for event in allocations:
+        ptr, nbytes = event.extra_fields.ptr, event.extra_fields.alloc_size
+        if nbytes > 0:
+            sizes[ptr] = nbytes
+        elif sizes.pop(ptr, None) is None:
+            continue
         held += nbytes
         peak = max(peak, held)
     return result, peak
+
+
+def _event_tree(nodes):
+    for node in nodes:
+        yield node
+        yield from _event_tree(node.children)
 
 
 def _cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
