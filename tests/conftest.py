@@ -47,12 +47,22 @@ def pytest_runtest_logreport(report):
     FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
 
 
+# How many of the longest files a run that is not the reliability suite's lists (make test's time: 20 minutes
+# at most on a 2-core machine, so its longest files are where to look when it grows).
+LONGEST_FILES = 15
+
+
 def pytest_terminal_summary(terminalreporter, config):
-    """Under `make test-reliability` (and its slice): every file's seconds, longest first."""
-    if "reliability" not in (config.getoption("markexpr") or "") or not FILE_SECONDS:
+    """Under `make test-reliability` (and its slice): every file's seconds, longest first; in another run
+    of more than one file (make test), the longest LONGEST_FILES."""
+    if len(FILE_SECONDS) < 2:
         return
-    terminalreporter.section("seconds per test file")
-    for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
+    every = "reliability" in (config.getoption("markexpr") or "")
+    longest = sorted(FILE_SECONDS.items(), key=lambda item: -item[1])
+    if not every:
+        longest = longest[:LONGEST_FILES]
+    terminalreporter.section("seconds per test file" if every else f"the {LONGEST_FILES} longest test files")
+    for path, seconds in longest:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
 
 
