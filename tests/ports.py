@@ -17,13 +17,22 @@ LOWEST = 10000  # above the well-known and the common registered services' ports
 
 def free_on_every_address(port: int) -> bool:
     """Whether a listener could bind `port` on the wildcard now (no listener, no connection holds it)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no conflict
+    # TCPStore's wildcard is IPv6's "::" taking IPv4 too where the machine has IPv6, else IPv4's.
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
         try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
+            s = socket.socket(family)
+        except OSError:  # no IPv6 here
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT is no conflict
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+        return True
+    return False
 
 
 def rendezvous_port(seed: str) -> int:
